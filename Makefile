@@ -1,0 +1,47 @@
+# Flotilla: `make run` starts the fleet on a small default model; `make test` installs what is missing and
+# runs the test suite. Everything lands in .venv; system packages come from Debian (apt-get) when missing.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+SITE := $(VENV)/lib/python3.11/site-packages
+PROTO_SRC := $(shell find protos -name '*.proto' 2>/dev/null)
+PROTO_STAMP := libs/flotilla/api/.generated
+PYTEST_ARGS ?=
+
+.PHONY: install protos test run bench clean
+
+install: $(STAMP)
+
+# torch is pinned to the CPU wheel on local disk and installed in the same pip command as everything that
+# depends on it; otherwise pip would fetch a multi-GB CUDA build.
+$(STAMP): requirements.txt pyproject.toml setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	# New `flotilla.<area>` packages are found without reinstalling: the three source roots go on sys.path.
+	printf '%s\n' "$(CURDIR)/libs" "$(CURDIR)/services" "$(CURDIR)/operators" > $(SITE)/flotilla-src.pth
+	touch $@
+
+# gRPC stubs are generated from protos/ by the build, never edited by hand (libs/flotilla/api is ignored).
+protos: $(PROTO_STAMP)
+
+$(PROTO_STAMP): $(PROTO_SRC) $(STAMP)
+	rm -rf libs/flotilla/api
+	mkdir -p libs/flotilla/api
+	$(if $(PROTO_SRC),$(PY) -m grpc_tools.protoc -Iprotos --python_out=libs --pyi_out=libs --grpc_python_out=libs $(PROTO_SRC))
+	find libs/flotilla/api -type d -exec touch {}/__init__.py \;
+	touch $@
+
+test: install protos
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+run: install protos
+	$(VENV)/bin/flotilla up
+
+bench: install protos
+	$(PY) loadtest/bench_engine.py --size tiny
+
+clean:
+	rm -rf $(VENV) libs/flotilla/api .pytest_cache

@@ -1,0 +1,27 @@
+"""`flotilla` command line: one subcommand module per area, each exposing `register(subparsers)`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Subcommand modules; each defines register(subparsers) and sets a `func(args) -> int` default.
+SUBCOMMAND_MODULES = ("flotilla.cli.model",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flotilla", description="Flotilla LLM serving fleet")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name in SUBCOMMAND_MODULES:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

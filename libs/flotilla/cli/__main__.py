@@ -1,0 +1,5 @@
+import sys
+
+from flotilla.cli import main
+
+sys.exit(main())
