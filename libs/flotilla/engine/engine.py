@@ -1,0 +1,239 @@
+"""The engine loop: schedule -> run -> update from output -> emit tokens. Synchronous; one thread owns it."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from flotilla.engine.config import EngineConfig, default_kv_budget, resolve_device, resolve_dtype
+from flotilla.engine.detokenizer import IncrementalDetokenizer
+from flotilla.engine.errors import InvalidRequestError
+from flotilla.engine.kv_cache_manager import KVCacheManager
+from flotilla.engine.model.config import ModelConfig
+from flotilla.engine.model.kv_cache import num_blocks_for_budget
+from flotilla.engine.model.loader import load_model
+from flotilla.engine.model_runner import ModelRunner
+from flotilla.engine.outputs import EngineStats, RequestOutput
+from flotilla.engine.request import FinishReason, Priority, Request
+from flotilla.engine.sampling_params import SamplingParams
+from flotilla.engine.scheduler import Scheduler, SchedulerConfig
+from flotilla.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from flotilla.engine.stop_checker import StopChecker
+from flotilla.engine.tokenizer import Tokenizer
+
+
+@dataclass
+class _Tracked:
+    """Engine-side state of a request besides the scheduler's: its text and stop conditions."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    stop_checker: StopChecker
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        config.validate()
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.model_config = ModelConfig.from_pretrained(config.model_dir)
+        self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.torch_dtype)
+        self.tokenizer = Tokenizer.from_pretrained(config.model_dir)
+        self.max_model_len = min(self.model_config.max_model_len, config.max_model_len or 1 << 62)
+        self.model_version = model_version(config.model_dir)
+        model = load_model(config.model_dir, self.dtype, self.device)
+        num_blocks = config.num_kv_blocks or self._blocks_for_budget()
+        self.runner = ModelRunner(
+            model, num_blocks, config.block_size, self.dtype, self.device, config.num_host_kv_blocks, config.seed
+        )
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, config.num_host_kv_blocks
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                num_lookahead_steps=config.num_lookahead_steps,
+                preemption_mode=config.preemption_mode,
+                max_model_len=self.max_model_len,
+            ),
+            self.kv_cache_manager,
+        )
+        self._tracked: dict[str, _Tracked] = {}
+        self._num_preemptions = 0
+        self._last_step_seconds = 0.0
+        self._num_prompt_tokens_total = 0
+        self._num_output_tokens_total = 0
+
+    def _blocks_for_budget(self) -> int:
+        budget = self.config.kv_cache_memory_bytes or default_kv_budget(self.device)
+        num_blocks = num_blocks_for_budget(self.model_config, self.config.block_size, self.dtype, budget)
+        if num_blocks < 1:
+            raise ValueError(f"a KV budget of {budget} bytes holds no block of {self.config.block_size} tokens")
+        return num_blocks
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        priority: Priority = Priority.INTERACTIVE,
+        cache_salt: str = "",
+    ) -> None:
+        """Validate and queue a request. Raises InvalidRequestError (or ContextLengthError) naming the field
+        before any state changes."""
+        sampling_params.validate(max_tokens_limit=self.max_model_len)
+        prompt = self._validated_prompt(prompt_token_ids)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling_params=sampling_params,
+            priority=Priority(priority),
+            cache_salt=cache_salt,
+            eos_token_ids=tuple(self.tokenizer.eos_token_ids),
+        )
+        self.scheduler.add_request(request)  # validates id, context window and KV capacity
+        self._tracked[request_id] = _Tracked(
+            request,
+            IncrementalDetokenizer(self.tokenizer, prompt_token_ids=prompt),
+            StopChecker(request, self.max_model_len),
+        )
+        self._num_prompt_tokens_total += len(prompt)
+
+    def _validated_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise InvalidRequestError("prompt", "must contain at least one token")
+        vocab_size = self.model_config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in prompt):
+            raise InvalidRequestError("prompt", f"token ids must be integers in [0, {vocab_size})")
+        return prompt
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks; False if it is unknown or already finished."""
+        self._tracked.pop(request_id, None)
+        return self.scheduler.abort_request(request_id) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        self._num_preemptions += len(scheduler_output.preempted)
+        if scheduler_output.is_empty:
+            self._last_step_seconds = 0.0
+            return []
+        runner_output = self.runner.execute(scheduler_output)
+        self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self._emit(scheduler_output, runner_output)
+        self._last_step_seconds = time.perf_counter() - started
+        return outputs
+
+    def _emit(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+        outputs = []
+        for request_id, token_id in runner_output.sampled_token_ids.items():
+            tracked = self._tracked.get(request_id)
+            if tracked is None:  # aborted while the step ran
+                continue
+            outputs.append(self._advance(tracked, token_id, runner_output))
+        return outputs
+
+    def _advance(self, tracked: _Tracked, token_id: int, runner_output: ModelRunnerOutput) -> RequestOutput:
+        request = tracked.request
+        self._num_output_tokens_total += 1
+        decision = tracked.stop_checker.after_token(token_id, tracked.detokenizer.push([token_id]))
+        text = decision.text_delta
+        if decision.finish_reason is not None:
+            if not isinstance(decision.stop_reason, str):  # a stop string cuts the text; anything else flushes
+                text += tracked.stop_checker.finish_with(tracked.detokenizer.flush())
+            self.scheduler.finish_request(request.request_id, decision.finish_reason)
+            del self._tracked[request.request_id]
+        logprobs = runner_output.logprobs.get(request.request_id)
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=[token_id],
+            text_delta=text,
+            finished=decision.finish_reason is not None,
+            finish_reason=decision.finish_reason,
+            stop_reason=decision.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_prompt_tokens=request.num_cached_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            logprobs=[logprobs] if logprobs is not None else [],
+        )
+
+    # ---- offline use ---------------------------------------------------------------------------
+    def generate(
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[GenerationResult]:
+        """Run prompts (text or token ids) to completion; results in prompt order."""
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        ids = [f"offline-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+        results = {request_id: GenerationResult([], "", None, 0, 0) for request_id in ids}
+        for request_id, prompt, sampling in zip(ids, prompts, params_list):
+            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            self.add_request(request_id, token_ids, sampling)
+            results[request_id].num_prompt_tokens = len(token_ids)
+        pending = set(ids)
+        while pending:
+            for output in self.step():
+                if output.request_id in pending:
+                    results[output.request_id].absorb(output)
+                    if output.finished:
+                        pending.discard(output.request_id)
+        return [results[request_id] for request_id in ids]
+
+    # ---- load figures --------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        scheduler, kv = self.scheduler, self.kv_cache_manager
+        return EngineStats(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            num_queued_tokens=sum(r.num_uncomputed_tokens for r in scheduler.requests.values()),
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_blocks,
+            block_size=kv.block_size,
+            prefix_hit_rate=kv.prefix_hit_rate,
+            num_preemptions=self._num_preemptions,
+            last_step_num_tokens=scheduler.last_num_scheduled_tokens,
+            last_step_seconds=self._last_step_seconds,
+            num_output_tokens_total=self._num_output_tokens_total,
+            num_prompt_tokens_total=self._num_prompt_tokens_total,
+        )
+
+    def check_integrity(self) -> bool:
+        return self.kv_cache_manager.check_integrity()
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_prompt_tokens: int
+
+    def absorb(self, output: RequestOutput) -> None:
+        self.token_ids += output.new_token_ids
+        self.text += output.text_delta
+        self.num_cached_prompt_tokens = output.num_cached_prompt_tokens
+        if output.finished:
+            self.finish_reason = output.finish_reason
+
+
+def model_version(model_dir: str | Path) -> str:
+    """Digest of the config and weights: two workers share a version only when their weights are equal."""
+    digest = hashlib.sha256()
+    root = Path(model_dir)
+    for path in sorted([root / "config.json", *root.glob("*.safetensors")]):
+        digest.update(path.name.encode())
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()[:12]

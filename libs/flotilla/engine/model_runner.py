@@ -1,0 +1,101 @@
+"""The only place that touches tensors for a step: block copies, inputs, forward, logits, sampling."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from flotilla.engine.model.attention import AttentionMetadata, SeqChunk
+from flotilla.engine.model.kv_cache import allocate_kv_cache, copy_blocks
+from flotilla.engine.model.llama import LlamaForCausalLM
+from flotilla.engine.sampler import compute_logprobs, sample
+from flotilla.engine.scheduler_output import BlockCopy, ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_host_blocks: int = 0,
+        default_seed: int = 0,
+    ):
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.default_seed = default_seed
+        self.kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, dtype, device)
+        # Host copy of the pool for swap preemption; pinned so that copies from a GPU are asynchronous.
+        self.host_kv_caches = (
+            allocate_kv_cache(model.config, num_host_blocks, block_size, dtype, torch.device("cpu"))
+            if num_host_blocks
+            else []
+        )
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._move_blocks(scheduler_output)
+        # Decode chunks first: the attention metadata batches the one-token chunks in one call.
+        chunks = sorted(scheduler_output.chunks, key=lambda chunk: chunk.num_tokens != 1)
+        input_ids, positions = self._inputs(chunks)
+        meta = AttentionMetadata.build(
+            [SeqChunk(c.start, c.num_tokens, c.block_ids) for c in chunks], self.block_size, self.device
+        )
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        sampling = [i for i, chunk in enumerate(chunks) if chunk.samples]
+        if not sampling:
+            return ModelRunnerOutput()
+        last_rows = torch.tensor(_last_rows(chunks, sampling), device=self.device)
+        logits = self.model.compute_logits(hidden[last_rows])
+        requests = [chunks[i].request for i in sampling]
+        token_ids = sample(logits, requests, self.default_seed)
+        output = ModelRunnerOutput(sampled_token_ids={r.request_id: t for r, t in zip(requests, token_ids)})
+        self._add_logprobs(output, logits, requests, token_ids)
+        return output
+
+    def _move_blocks(self, scheduler_output: SchedulerOutput) -> None:
+        _copy_between(self.kv_caches, self.host_kv_caches, scheduler_output.swap_out)
+        _copy_between(self.host_kv_caches, self.kv_caches, scheduler_output.swap_in)
+        copy_blocks(self.kv_caches, [(copy.src, copy.dst) for copy in scheduler_output.block_copies])
+
+    def _inputs(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        for chunk in chunks:
+            token_ids += chunk.request.token_ids_slice(chunk.start, chunk.end)
+            positions += range(chunk.start, chunk.end)
+        return (
+            torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True),
+            torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True),
+        )
+
+    def _add_logprobs(self, output, logits, requests, token_ids) -> None:
+        wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        if not wanted:
+            return
+        values = compute_logprobs(
+            logits[wanted], [token_ids[i] for i in wanted], [requests[i].sampling_params.logprobs for i in wanted]
+        )
+        for i, value in zip(wanted, values):
+            output.logprobs[requests[i].request_id] = value
+
+
+def _last_rows(chunks: Sequence[ScheduledChunk], indices: Sequence[int]) -> list[int]:
+    ends, total = [], 0
+    for chunk in chunks:
+        total += chunk.num_tokens
+        ends.append(total - 1)
+    return [ends[i] for i in indices]
+
+
+def _copy_between(src_caches: Sequence[torch.Tensor], dst_caches: Sequence[torch.Tensor], pairs: Sequence[BlockCopy]) -> None:
+    if not pairs:
+        return
+    src_ids = torch.tensor([p.src for p in pairs], dtype=torch.int64, device=src_caches[0].device)
+    dst_ids = torch.tensor([p.dst for p in pairs], dtype=torch.int64, device=dst_caches[0].device)
+    for src_layer, dst_layer in zip(src_caches, dst_caches):
+        dst_layer[:, dst_ids] = src_layer[:, src_ids].to(dst_layer.device)

@@ -1,0 +1,77 @@
+"""Decides when a request is done and which text may be released to the client.
+
+Text that could still turn into a stop string is held back: the client never sees a stop string or a
+prefix of one that later completes it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from flotilla.engine.request import FinishReason, Request
+
+
+class StopDecision(NamedTuple):
+    finish_reason: FinishReason | None
+    stop_reason: str | int | None
+    text_delta: str
+
+
+class StopChecker:
+    def __init__(self, request: Request, max_model_len: int):
+        self._request = request
+        self._max_model_len = max_model_len
+        self._stops = request.sampling_params.stop
+        self._text = ""  # all text decoded so far (cut at a matched stop string)
+        self._num_released = 0
+
+    def after_token(self, token_id: int, new_text: str) -> StopDecision:
+        """Call once per generated token with the detokenizer's new text for it."""
+        params = self._request.sampling_params
+        search_from = max(0, len(self._text) - max((len(s) for s in self._stops), default=0) + 1)
+        self._text += new_text
+        matched = self._find_stop_string(search_from)
+        if matched is not None:
+            return self._finish(FinishReason.STOP, matched)
+        if token_id in params.stop_token_ids:
+            return self._finish(FinishReason.STOP, token_id)
+        if not params.ignore_eos and token_id in self._request.eos_token_ids:
+            return self._finish(FinishReason.STOP, token_id)
+        if self._request.num_output_tokens >= params.max_tokens or self._request.num_tokens >= self._max_model_len:
+            return self._finish(FinishReason.LENGTH, None)
+        return StopDecision(None, None, self._release(len(self._text) - self._held_back_length()))
+
+    def finish_with(self, final_text: str) -> str:
+        """The request ended elsewhere (abort): release what was held, plus the detokenizer's tail."""
+        self._text += final_text
+        return self._release(len(self._text))
+
+    def _find_stop_string(self, search_from: int) -> str | None:
+        best: tuple[int, str] | None = None
+        for stop in self._stops:
+            index = self._text.find(stop, search_from)
+            if index >= 0 and (best is None or index < best[0]):
+                best = (index, stop)
+        if best is None:
+            return None
+        self._text = self._text[: best[0]]
+        return best[1]
+
+    def _finish(self, reason: FinishReason, stop_reason: str | int | None) -> StopDecision:
+        return StopDecision(reason, stop_reason, self._release(len(self._text)))
+
+    def _held_back_length(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of some stop string."""
+        longest = 0
+        for stop in self._stops:
+            for length in range(min(len(stop) - 1, len(self._text)), longest, -1):
+                if self._text.endswith(stop[:length]):
+                    longest = length
+                    break
+        return longest
+
+    def _release(self, upto: int) -> str:
+        upto = max(upto, self._num_released)
+        delta = self._text[self._num_released : upto]
+        self._num_released = upto
+        return delta
