@@ -1,0 +1,217 @@
+"""Paged attention: per-step metadata built once, per-layer work is tensor ops only.
+
+Each layer (1) writes every new token's K/V into the cache through `slot_mapping`, then
+(2) reads each sequence's whole context back through its block table. Writing first matters:
+a sequence may read blocks that another sequence of the same step has just written.
+Decode chunks (one token) run batched in one SDPA call over a padded gather with a boolean mask;
+prefill chunks run one SDPA call each, causal with an offset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+class SeqChunk(NamedTuple):
+    """Tokens [start, start + num_tokens) of one sequence are computed this step; block_ids is its block table."""
+
+    start: int
+    num_tokens: int
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """All one-token chunks of a step, attended in one padded SDPA call."""
+
+    token_indices: torch.Tensor  # [B] rows of the flattened input
+    token_slice: slice | None  # the same rows as a slice when they are a contiguous run (the usual case)
+    context_slots: torch.Tensor  # [B, L_max] cache slot of each context token (padding reads slot of pos 0)
+    mask: torch.Tensor  # [B, 1, 1, L_max] True where the key is inside the sequence's context
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """One multi-token chunk: queries at positions start.., keys 0..start+num_tokens-1."""
+
+    token_slice: slice  # its rows of the flattened input
+    context_slots: torch.Tensor  # [context_len]
+    mask: torch.Tensor | None  # [num_tokens, context_len]; None when start == 0 (plain causal)
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    num_tokens: int
+    positions: torch.Tensor  # [T] position of every new token (the same values the runner passes)
+    slot_mapping: torch.Tensor  # [T] cache slot (block_id * block_size + offset) of every new token
+    context_lens: torch.Tensor  # [num_seqs] context length after the step
+    block_tables: torch.Tensor  # [num_seqs, max_blocks], padded with 0 past each table's needed blocks
+    decode: DecodeBatch | None
+    prefills: tuple[PrefillChunk, ...]
+
+    @classmethod
+    def build(cls, seqs: Sequence[SeqChunk], block_size: int, device: torch.device) -> AttentionMetadata:
+        _validate(seqs, block_size)
+        starts = [seq.start for seq in seqs]
+        counts = [seq.num_tokens for seq in seqs]
+        ends = [start + count for start, count in zip(starts, counts)]
+        offsets = _exclusive_cumsum(counts)
+        block_tables = _block_table_tensor(seqs, ends, block_size, device)
+        positions = _positions(starts, counts, offsets, device)
+        seq_of_token = torch.repeat_interleave(
+            torch.arange(len(seqs), device=device), torch.tensor(counts, device=device)
+        )
+        slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+        decode_ids = [i for i, count in enumerate(counts) if count == 1]
+        decode = _decode_batch(decode_ids, offsets, ends, block_tables, block_size, device)
+        prefills = tuple(
+            _prefill_chunk(starts[i], counts[i], offsets[i], block_tables[i], block_size, device)
+            for i in range(len(seqs))
+            if counts[i] > 1
+        )
+        return cls(
+            num_tokens=sum(counts),
+            positions=positions,
+            slot_mapping=slot_mapping,
+            context_lens=torch.tensor(ends, dtype=torch.int64, device=device),
+            block_tables=block_tables,
+            decode=decode,
+            prefills=prefills,
+        )
+
+
+def _validate(seqs: Sequence[SeqChunk], block_size: int) -> None:
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if not seqs:
+        raise ValueError("a step needs at least one sequence chunk")
+    for seq in seqs:
+        if seq.start < 0 or seq.num_tokens < 1:
+            raise ValueError(f"bad chunk start={seq.start} num_tokens={seq.num_tokens}")
+        if len(seq.block_ids) * block_size < seq.start + seq.num_tokens:
+            raise ValueError(
+                f"block table of {len(seq.block_ids)} blocks cannot hold {seq.start + seq.num_tokens} tokens"
+            )
+
+
+def _exclusive_cumsum(counts: list[int]) -> list[int]:
+    offsets, total = [], 0
+    for count in counts:
+        offsets.append(total)
+        total += count
+    return offsets
+
+
+def _block_table_tensor(seqs: Sequence[SeqChunk], ends: list[int], block_size: int, device) -> torch.Tensor:
+    """Only the blocks each context needs; a longer table (blocks reserved ahead) is cut."""
+    needed = [-(-end // block_size) for end in ends]
+    width = max(needed)
+    rows = [list(seq.block_ids[:n]) + [0] * (width - n) for seq, n in zip(seqs, needed)]
+    return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+
+
+def _positions(starts: list[int], counts: list[int], offsets: list[int], device) -> torch.Tensor:
+    """start_i + (token index - offset_i) for every token, without a Python loop over tokens."""
+    per_token_shift = torch.repeat_interleave(
+        torch.tensor([start - offset for start, offset in zip(starts, offsets)], dtype=torch.int64),
+        torch.tensor(counts),
+    )
+    return (torch.arange(sum(counts), dtype=torch.int64) + per_token_shift).to(device, non_blocking=True)
+
+
+def _slots(block_rows: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slot of `positions` [..., N] given the block table(s) `block_rows` [..., W] they belong to."""
+    block_ids = torch.gather(block_rows, -1, positions // block_size)
+    return block_ids * block_size + positions % block_size
+
+
+def _decode_batch(decode_ids: list[int], offsets, ends, block_tables, block_size, device) -> DecodeBatch | None:
+    if not decode_ids:
+        return None
+    rows = [offsets[i] for i in decode_ids]
+    contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+    context_lens = torch.tensor([ends[i] for i in decode_ids], dtype=torch.int64, device=device)
+    key_positions = torch.arange(max(ends[i] for i in decode_ids), dtype=torch.int64, device=device)
+    mask = key_positions[None, :] < context_lens[:, None]
+    ids = torch.tensor(decode_ids, dtype=torch.int64, device=device)
+    # Padding positions read slot 0 of the first block; the mask hides them.
+    padded_positions = torch.where(mask, key_positions[None, :], 0)
+    context_slots = _slots(block_tables[ids], padded_positions, block_size)
+    return DecodeBatch(
+        token_indices=torch.tensor(rows, dtype=torch.int64, device=device),
+        token_slice=slice(rows[0], rows[0] + len(rows)) if contiguous else None,
+        context_slots=context_slots,
+        mask=mask[:, None, None, :],
+    )
+
+
+def _prefill_chunk(start, count, offset, block_row, block_size, device) -> PrefillChunk:
+    context_len = start + count
+    key_positions = torch.arange(context_len, dtype=torch.int64, device=device)
+    mask = None
+    if start > 0:
+        query_positions = torch.arange(start, context_len, dtype=torch.int64, device=device)
+        mask = key_positions[None, :] <= query_positions[:, None]
+    return PrefillChunk(
+        token_slice=slice(offset, offset + count),
+        context_slots=_slots(block_row, key_positions, block_size),
+        mask=mask,
+    )
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    """q [T, H, D], k/v [T, H_kv, D], kv_cache [2, num_blocks, block_size, H_kv, D] -> [T, H, D]."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    k_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
+    v_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    if meta.decode is not None:
+        _decode_attention(q, k_cache, v_cache, meta.decode, out)
+    for chunk in meta.prefills:
+        out[chunk.token_slice] = _prefill_attention(q[chunk.token_slice], k_cache, v_cache, chunk)
+    return out
+
+
+def _decode_attention(q, k_cache, v_cache, batch: DecodeBatch, out: torch.Tensor) -> None:
+    """GQA without copying K/V: the G query heads sharing a KV head become G query rows of it."""
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[1]
+    rows = q[batch.token_slice] if batch.token_slice is not None else q[batch.token_indices]
+    queries = rows.view(-1, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, H_kv, G, D]
+    keys = k_cache[batch.context_slots].transpose(1, 2)  # [B, H_kv, L, D]
+    values = v_cache[batch.context_slots].transpose(1, 2)
+    result = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.mask)
+    result = result.reshape(-1, num_heads, head_dim)
+    if batch.token_slice is not None:
+        out[batch.token_slice] = result
+    else:
+        out.index_copy_(0, batch.token_indices, result)
+
+
+def _prefill_attention(q, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
+    num_heads = q.shape[1]
+    num_kv_heads = k_cache.shape[1]
+    keys = _repeat_kv(k_cache[chunk.context_slots], num_heads // num_kv_heads)  # [H, L, D]
+    values = _repeat_kv(v_cache[chunk.context_slots], num_heads // num_kv_heads)
+    result = F.scaled_dot_product_attention(
+        q.transpose(0, 1), keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None
+    )
+    return result.transpose(0, 1)
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[L, H_kv, D] -> [H_kv * groups, L, D], query head h reading KV head h // groups (as HF's repeat_kv)."""
+    length, num_kv_heads, head_dim = x.shape
+    x = x.transpose(0, 1)
+    if groups == 1:
+        return x
+    return x[:, None].expand(num_kv_heads, groups, length, head_dim).reshape(-1, length, head_dim)

@@ -1,0 +1,175 @@
+"""Model shape and numerics parsed from a Hugging Face checkpoint's config.json (no transformers import)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the engine needs to know about a Llama-family decoder.
+
+    Sliding-window attention (Mistral, Qwen2 with use_sliding_window) is not masked: instead
+    `max_model_len` is capped to the window, so no query ever sees a key the window would hide and
+    the output is exactly that of the windowed model. `sliding_window` keeps the original value.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_model_len: int
+    tie_word_embeddings: bool
+    # None means plain RoPE; else {"rope_type": "linear"|"llama3", ...} with HF's keys.
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    attention_bias: bool = False  # bias on q/k/v projections
+    o_proj_bias: bool = False  # Llama's attention_bias also covers o_proj; Qwen2's does not
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    torch_dtype: torch.dtype = torch.float32  # the checkpoint's dtype; float32 when config.json omits it
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # generation_config.json's list when present, else config.json's
+    sliding_window: int | None = None
+
+    @property
+    def num_kv_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V that one token occupies across all layers."""
+        element_size = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+        model_dir = Path(model_dir)
+        raw = _read_json(model_dir / "config.json")
+        generation = _read_json(model_dir / "generation_config.json", required=False)
+        return cls.from_dict(raw, generation)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+        architecture = _architecture(raw)
+        num_heads = int(raw["num_attention_heads"])
+        hidden_size = int(raw["hidden_size"])
+        num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+        head_dim = int(raw.get("head_dim") or hidden_size // num_heads)
+        _check_supported(raw, num_heads, num_kv_heads)
+        rope_theta, rope_scaling = _rope(raw)
+        max_positions = int(raw["max_position_embeddings"])
+        window = _sliding_window(raw, architecture)
+        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        attention_bias = True if is_qwen2 else bool(raw.get("attention_bias", False))
+        return cls(
+            architecture=architecture,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden_size,
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            intermediate_size=int(raw["intermediate_size"]),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            max_model_len=min(max_positions, window) if window else max_positions,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            rope_scaling=rope_scaling,
+            attention_bias=attention_bias,
+            o_proj_bias=attention_bias and not is_qwen2,
+            torch_dtype=_dtype(raw),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=_eos_ids(raw, generation or {}),
+            sliding_window=window,
+        )
+
+
+def _read_json(path: Path, required: bool = True) -> dict[str, Any] | None:
+    if not path.is_file():
+        if required:
+            raise ValueError(f"no {path.name} in {path.parent}")
+        return None
+    with path.open() as f:
+        return json.load(f)
+
+
+def _architecture(raw: dict[str, Any]) -> str:
+    architectures = raw.get("architectures") or []
+    for name in architectures:
+        if name in SUPPORTED_ARCHITECTURES:
+            return name
+    raise ValueError(f"unsupported architecture {architectures!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _check_supported(raw: dict[str, Any], num_heads: int, num_kv_heads: int) -> None:
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r}; only 'silu'")
+    if raw.get("mlp_bias", False):
+        raise ValueError("mlp_bias=True is not supported")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+
+
+def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """Reads RoPE from transformers 4 (`rope_theta` + `rope_scaling`) or 5 (`rope_parameters`) layouts."""
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    if any(isinstance(value, dict) for value in params.values()):
+        raise ValueError("per-layer-type rope_parameters are not supported")
+    theta = float(params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0)
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor") or 1.0)) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "llama3":
+        params.setdefault("original_max_position_embeddings", raw["max_position_embeddings"])
+    required = _LLAMA3_KEYS if rope_type == "llama3" else ("factor",)
+    missing = [key for key in required if key not in params]
+    if missing:
+        raise ValueError(f"rope type {rope_type!r} needs {missing}")
+    return theta, {"rope_type": rope_type, **{key: params[key] for key in required}}
+
+
+def _sliding_window(raw: dict[str, Any], architecture: str) -> int | None:
+    window = raw.get("sliding_window")
+    if architecture == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+        return None  # Qwen2 configs carry a sliding_window that is off unless use_sliding_window
+    if architecture == "LlamaForCausalLM":
+        return None
+    return int(window) if window else None
+
+
+def _dtype(raw: dict[str, Any]) -> torch.dtype:
+    name = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported checkpoint dtype {name!r}")
+    return _DTYPES[name]
+
+
+def _eos_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
+    eos = generation.get("eos_token_id", raw.get("eos_token_id"))
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)

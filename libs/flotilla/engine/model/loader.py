@@ -1,0 +1,145 @@
+"""Loads a Hugging Face safetensors checkpoint into LlamaForCausalLM (fusing q/k/v and gate/up)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from safetensors import safe_open
+
+from flotilla.engine.model.config import ModelConfig
+from flotilla.engine.model.llama import LlamaForCausalLM
+
+# Checkpoint tensors that carry nothing the model needs (old checkpoints saved rope buffers).
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+# HF sub-name -> (our fused parameter name, shard name)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
+    "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
+    "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
+    "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
+    "mlp.up_proj": ("mlp.gate_up_proj", "up"),
+}
+_LAYER_NAME = re.compile(
+    r"^(model\.layers\.\d+\.)(self_attn\.[qkv]_proj|mlp\.gate_proj|mlp\.up_proj)\.(weight|bias)$"
+)
+
+
+class Target(NamedTuple):
+    """Where one checkpoint tensor goes: rows [row_start, row_start + num_rows) of parameter `name`."""
+
+    name: str
+    row_start: int
+    num_rows: int
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """Builds the model from `model_dir` (config.json + *.safetensors) in eval mode on `device`.
+
+    Ties lm_head to the embeddings when the config says so or the checkpoint has no lm_head.weight.
+    Raises ValueError for a missing, unexpected or wrongly shaped tensor.
+    """
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_pretrained(model_dir)
+    files = _safetensors_files(model_dir)
+    names = _tensor_names(files)
+    tie = config.tie_word_embeddings or "lm_head.weight" not in names
+    model = _empty_model(config, dtype, device, tie)
+    params = dict(model.named_parameters())
+    expected = _expected_targets(model, config, tie)
+    loaded: set[Target] = set()
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                target = _target(name, config, tie)
+                if target is None:
+                    continue
+                if target not in expected:
+                    raise ValueError(f"unexpected tensor {name!r} in {path.name}")
+                _copy(params[target.name], target, f.get_tensor(name), name)
+                loaded.add(target)
+    missing = sorted(target.name for target in expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {model_dir} lacks tensors for {missing}")
+    return model.eval().requires_grad_(False)
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors in {model_dir}")
+    return files
+
+
+def _tensor_names(files: list[Path]) -> set[str]:
+    names: set[str] = set()
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            names.update(f.keys())
+    return names
+
+
+def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, tie: bool) -> LlamaForCausalLM:
+    """Allocates uninitialised weights directly in `dtype` on `device` (no random init, no extra copy)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.to(dtype).to_empty(device=device)
+    if tie:
+        model.tie_embeddings()  # to_empty gives each use of a shared parameter its own tensor
+    return model
+
+
+def _target(name: str, config: ModelConfig, tie: bool) -> Target | None:
+    """The parameter rows a checkpoint tensor fills; None for tensors deliberately skipped."""
+    if _IGNORED.match(name) or (tie and name == "lm_head.weight"):
+        return None
+    match = _LAYER_NAME.match(name)
+    if match is None:
+        return Target(name, 0, -1)  # whole parameter, same name as in HF
+    prefix, sub, kind = match.groups()
+    fused, shard = _FUSED[sub]
+    row_start, num_rows = _shard_rows(config, shard)
+    return Target(f"{prefix}{fused}.{kind}", row_start, num_rows)
+
+
+def _shard_rows(config: ModelConfig, shard: str) -> tuple[int, int]:
+    q_size = config.num_heads * config.head_dim
+    kv_size = config.num_kv_heads * config.head_dim
+    inter = config.intermediate_size
+    rows = {
+        "q": (0, q_size),
+        "k": (q_size, kv_size),
+        "v": (q_size + kv_size, kv_size),
+        "gate": (0, inter),
+        "up": (inter, inter),
+    }
+    return rows[shard]
+
+
+def _expected_targets(model: LlamaForCausalLM, config: ModelConfig, tie: bool) -> set[Target]:
+    expected: set[Target] = set()
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        if tie and name == "lm_head.weight":
+            continue
+        if ".qkv_proj." in name:
+            expected.update(Target(name, *_shard_rows(config, shard)) for shard in "qkv")
+        elif ".gate_up_proj." in name:
+            expected.update(Target(name, *_shard_rows(config, shard)) for shard in ("gate", "up"))
+        else:
+            expected.add(Target(name, 0, -1))
+    return expected
+
+
+def _copy(param: torch.Tensor, target: Target, tensor: torch.Tensor, name: str) -> None:
+    rows = param if target.num_rows < 0 else param.narrow(0, target.row_start, target.num_rows)
+    if rows.shape != tensor.shape:
+        raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(rows.shape)}")
+    with torch.no_grad():
+        rows.copy_(tensor)

@@ -1,0 +1,104 @@
+"""Tiny random HF checkpoints and a small paged-KV driver for the model tests."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+import transformers
+
+from flotilla.engine.model import AttentionMetadata, LlamaForCausalLM, SeqChunk, allocate_kv_cache
+
+VOCAB = 512
+_BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    bos_token_id=None,
+    eos_token_id=None,  # no early stop: generation runs the full length on both sides
+    pad_token_id=None,
+)
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+# name -> (HF config class, model class, config overrides)
+KINDS = {
+    "llama_gqa": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "llama_mha_tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                       {"num_key_value_heads": 4, "tie_word_embeddings": True}),
+    "llama3_rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                    {"rope_parameters": _LLAMA3, "num_key_value_heads": 1}),
+    "linear_rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                    {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}}),
+    "qwen2_tied": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"tie_word_embeddings": True}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 4096}),
+}
+
+
+def make_checkpoint(directory: Path, kind: str, seed: int = 0) -> transformers.PreTrainedModel:
+    """Saves a random checkpoint of `kind` into `directory` and returns the HF model (float32, eval)."""
+    config_cls, model_cls, overrides = KINDS[kind]
+    config = config_cls(**{**_BASE, **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            # std 0.25 so the output depends on the context (see STYLE.md)
+            param.normal_(0.0, 0.25)
+    model.save_pretrained(directory, safe_serialization=True)
+    return model
+
+
+def random_tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
+    """HF logits [len(tokens), vocab] of one sequence, float32."""
+    with torch.inference_mode():
+        return hf_model(torch.tensor([tokens])).logits[0].float()
+
+
+class PagedDriver:
+    """Plays the engine: per-sequence block tables drawn from a shuffled free list, one step at a time."""
+
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int = 96, block_size: int = 4, seed: int = 0) -> None:
+        self.model = model
+        self.block_size = block_size
+        dtype = next(model.parameters()).dtype
+        self.kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, dtype, torch.device("cpu"))
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)  # non-contiguous, unordered block tables
+        self.tables: dict[str, list[int]] = {}
+
+    def chunk(self, seq_id: str, start: int, num_tokens: int) -> SeqChunk:
+        table = self.tables.setdefault(seq_id, [])
+        while len(table) * self.block_size < start + num_tokens:
+            table.append(self.free.pop())
+        return SeqChunk(start, num_tokens, list(table))
+
+    def step(self, work: list[tuple[str, list[int], int, int]]) -> torch.Tensor:
+        """work: (seq_id, all tokens, start, num_tokens) per chunk -> last-token logits [len(work), vocab]."""
+        chunks = [self.chunk(seq_id, start, n) for seq_id, _, start, n in work]
+        return self.run(chunks, [tokens[start : start + n] for _, tokens, start, n in work])
+
+    def run(self, chunks: list[SeqChunk], token_lists: list[list[int]]) -> torch.Tensor:
+        meta = AttentionMetadata.build(chunks, self.block_size, torch.device("cpu"))
+        input_ids = torch.tensor([t for tokens in token_lists for t in tokens])
+        with torch.inference_mode():
+            hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)
+            last_rows = torch.tensor([len(tokens) for tokens in token_lists]).cumsum(0) - 1
+            return self.model.compute_logits(hidden[last_rows])
+
+    def all_logits(self, seq_id: str, tokens: list[int]) -> torch.Tensor:
+        """One prefill chunk of the whole sequence, logits of every position."""
+        meta = AttentionMetadata.build([self.chunk(seq_id, 0, len(tokens))], self.block_size, torch.device("cpu"))
+        with torch.inference_mode():
+            hidden = self.model(torch.tensor(tokens), meta.positions, meta, self.kv_caches)
+            return self.model.compute_logits(hidden)

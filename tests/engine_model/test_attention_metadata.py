@@ -1,0 +1,57 @@
+import pytest
+import torch
+
+from flotilla.engine.model import AttentionMetadata, SeqChunk
+
+CPU = torch.device("cpu")
+
+
+def build_mixed() -> AttentionMetadata:
+    # decode A at position 5, prefill B positions 2..6, then decode C at position 0 (decode rows 0 and 6)
+    seqs = [SeqChunk(5, 1, [7, 3]), SeqChunk(2, 5, [9, 1, 8]), SeqChunk(0, 1, [4])]
+    return AttentionMetadata.build(seqs, block_size=4, device=CPU)
+
+
+def test_positions_and_slot_mapping():
+    meta = build_mixed()
+    assert meta.num_tokens == 7
+    assert meta.positions.tolist() == [5, 2, 3, 4, 5, 6, 0]
+    assert meta.slot_mapping.tolist() == [3 * 4 + 1, 9 * 4 + 2, 9 * 4 + 3, 1 * 4, 1 * 4 + 1, 1 * 4 + 2, 4 * 4]
+    assert meta.context_lens.tolist() == [6, 7, 1]
+    # B's third block is reserved ahead but not needed yet, so the table is cut to 2 blocks
+    assert meta.block_tables.tolist() == [[7, 3], [9, 1], [4, 0]]
+
+
+def test_decode_batch_with_decodes_out_of_order():
+    decode = build_mixed().decode
+    assert decode.token_indices.tolist() == [0, 6] and decode.token_slice is None
+    assert decode.context_slots.tolist() == [[28, 29, 30, 31, 12, 13], [16, 16, 16, 16, 16, 16]]
+    assert decode.mask[:, 0, 0].tolist() == [[True] * 6, [True] + [False] * 5]
+
+
+def test_decode_first_uses_a_slice():
+    seqs = [SeqChunk(3, 1, [2]), SeqChunk(0, 1, [5]), SeqChunk(0, 3, [6])]
+    decode = AttentionMetadata.build(seqs, 4, CPU).decode
+    assert decode.token_slice == slice(0, 2)
+
+
+def test_prefill_chunk_is_causal_with_offset():
+    (chunk,) = build_mixed().prefills
+    assert chunk.token_slice == slice(1, 6)
+    assert chunk.context_slots.tolist() == [36, 37, 38, 39, 4, 5, 6]
+    expected = torch.tensor([[k <= q for k in range(7)] for q in range(2, 7)])
+    assert torch.equal(chunk.mask, expected)
+
+
+def test_prefill_from_zero_uses_plain_causal():
+    meta = AttentionMetadata.build([SeqChunk(0, 6, [3, 0])], 4, CPU)
+    assert meta.decode is None and meta.prefills[0].mask is None
+
+
+@pytest.mark.parametrize(
+    "seqs, message",
+    [([], "at least one"), ([SeqChunk(0, 0, [1])], "bad chunk"), ([SeqChunk(3, 2, [1])], "cannot hold")],
+)
+def test_invalid_steps_raise(seqs, message):
+    with pytest.raises(ValueError, match=message):
+        AttentionMetadata.build(seqs, 4, CPU)

@@ -1,0 +1,105 @@
+import json
+
+import pytest
+import torch
+
+from flotilla.engine.model import ModelConfig
+
+BASE = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 1000,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "bos_token_id": 1,
+    "eos_token_id": [2, 3],
+    "torch_dtype": "bfloat16",
+}
+
+
+def parse(**overrides) -> ModelConfig:
+    return ModelConfig.from_dict({**BASE, **overrides})
+
+
+def test_llama_fields():
+    config = parse()
+    assert config.architecture == "LlamaForCausalLM"
+    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (3, 8, 2, 16)
+    assert config.rope_theta == 500000.0 and config.rope_scaling is None
+    assert config.max_model_len == 4096
+    assert config.torch_dtype == torch.bfloat16
+    assert config.bos_token_id == 1 and config.eos_token_ids == (2, 3)
+    assert not config.attention_bias and not config.o_proj_bias and not config.tie_word_embeddings
+
+
+def test_explicit_head_dim_wins():
+    assert parse(head_dim=32).head_dim == 32
+
+
+def test_kv_bytes_per_token():
+    config = parse()
+    assert config.kv_bytes_per_token(torch.bfloat16) == 2 * 3 * 2 * 16 * 2
+    assert config.kv_bytes_per_token(torch.float32) == 2 * 3 * 2 * 16 * 4
+
+
+def test_qwen2_bias_on_qkv_only_and_window_off_by_default():
+    config = parse(architectures=["Qwen2ForCausalLM"], sliding_window=1024, use_sliding_window=False,
+                   tie_word_embeddings=True)
+    assert config.attention_bias and not config.o_proj_bias and config.tie_word_embeddings
+    assert config.max_model_len == 4096 and config.sliding_window is None
+
+
+def test_mistral_sliding_window_caps_max_model_len():
+    config = parse(architectures=["MistralForCausalLM"], sliding_window=1024)
+    assert config.max_model_len == 1024 and config.sliding_window == 1024
+    assert parse(architectures=["MistralForCausalLM"], sliding_window=None).max_model_len == 4096
+
+
+def test_transformers4_rope_scaling_layout():
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    config = parse(rope_scaling=scaling)
+    assert config.rope_scaling == scaling and config.rope_theta == 500000.0
+
+
+def test_transformers5_rope_parameters_layout():
+    config = parse(rope_theta=None, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0} and config.rope_theta == 1e4
+    assert parse(rope_parameters={"type": "default", "rope_theta": 7.0}).rope_scaling is None
+
+
+def test_llama3_without_original_max_uses_max_position_embeddings():
+    config = parse(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0})
+    assert config.rope_scaling["original_max_position_embeddings"] == 4096
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope type"),
+        ({"rope_scaling": {"rope_type": "linear"}}, "needs"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"num_key_value_heads": 3}, "multiple"),
+    ],
+)
+def test_unsupported_configs_raise(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        parse(**overrides)
+
+
+def test_from_pretrained_reads_generation_config_eos(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(BASE))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    assert ModelConfig.from_pretrained(tmp_path).eos_token_ids == (7, 9)
+
+
+def test_from_pretrained_without_config_raises(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        ModelConfig.from_pretrained(tmp_path)
