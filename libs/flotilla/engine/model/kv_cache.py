@@ -10,15 +10,21 @@ from flotilla.engine.model.config import ModelConfig
 
 
 def allocate_kv_cache(
-    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    pin_memory: bool = False,
 ) -> list[torch.Tensor]:
     """Per-layer views [2, num_blocks, block_size, num_kv_heads, head_dim] of ONE zeroed pool tensor
     [num_layers, 2, ...], so that the whole pool can be registered for transfer once
-    (`kv_pool_tensor(kv_caches)` gives it back)."""
+    (`kv_pool_tensor(kv_caches)` gives it back). `pin_memory` (host pools only, needs CUDA) makes
+    copies between a host swap pool and the GPU asynchronous."""
     if num_blocks < 1 or block_size < 1:
         raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
     shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-    pool = torch.zeros(shape, dtype=dtype, device=device)
+    pool = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
     return list(pool.unbind(0))
 
 
