@@ -1,0 +1,14 @@
+"""Suite-wide settings. One torch thread per process: the suite runs several processes at once (workers,
+router, gateway, transformers as the reference) on a 2-core machine, where OpenMP threads that spin
+while waiting for a busy core make every process several times slower."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the service processes the tests start
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
