@@ -22,7 +22,7 @@ def _run(kv: KVCacheManager, request: Request, num_tokens: int | None = None, co
     copies = kv.allocate_slots(request, num_tokens, computed)
     assert copies is not None
     request.num_computed_tokens += num_tokens
-    kv.begin_step()
+    kv.end_step()
     return copies
 
 
@@ -89,8 +89,12 @@ def test_fully_cached_prompt_recomputes_last_token_with_copy_on_write():
     assert kv.block_ids("b") == [0, 2]
     assert second.num_computed_tokens == 7
     assert second.num_cached_prompt_tokens == 7
-    assert kv.pool.ref_count(1) == 0 and kv.pool.get_cached_block(kv.pool.block_hash(1)) == 1
+    assert kv.pool.ref_count(1) == 1  # the copy source is held until the step's copies have run
     assert kv.pool.block_hash(2) is None  # the copy duplicates a published hash: stays private
+    assert kv.check_integrity()
+    kv.end_step()
+    assert kv.pool.ref_count(1) == 0 and kv.pool.get_cached_block(kv.pool.block_hash(1)) == 1
+    assert kv.pool.free_block_ids()[-1] == 1  # back in the cached LRU
     assert kv.check_integrity()
 
 
@@ -103,6 +107,7 @@ def test_fully_cached_prompt_shared_with_a_running_request():
     assert kv.allocate_slots(second, 1, computed) == [BlockCopy(src=1, dst=2)]
     assert kv.block_ids("a") == [0, 1]
     assert kv.block_ids("b") == [0, 2]
+    kv.end_step()
     assert [kv.pool.ref_count(b) for b in (0, 1, 2)] == [2, 1, 1]
     assert kv.check_integrity()
 
@@ -111,7 +116,7 @@ def test_block_published_this_step_is_not_a_copy_source():
     # Same prompt admitted twice in one step: the first request's blocks are only written during the
     # step, after copies run, so the second must recompute the last block instead of copying it.
     kv = KVCacheManager(10, BS)
-    kv.begin_step()
+    kv.end_step()
     first = _request("a", range(8))
     kv.allocate_slots(first, 8)
     second = _request("b", range(8))
@@ -119,7 +124,7 @@ def test_block_published_this_step_is_not_a_copy_source():
     assert computed == ComputedBlocks([0], 4)
     assert kv.allocate_slots(second, 4, computed) == []
     assert kv.block_ids("b") == [0, 2]
-    kv.begin_step()  # next step: block 1 is written now, a copy source is fine
+    kv.end_step()  # next step: block 1 is written now, a copy source is fine
     assert kv.get_computed_blocks(_request("c", range(8))) == ComputedBlocks([0, 1], 7)
 
 
@@ -321,9 +326,9 @@ def test_invalid_allocations_raise():
         kv.allocate_slots(request, 0, ComputedBlocks([0, 1], 8))
 
 
-def test_copy_source_released_this_step_may_be_a_swap_in_target():
-    # Pins the model runner's order: swap_out, then block_copies, then swap_in. Here the copy-on-write
-    # source (block 1) goes back to the free queue and the swap-in lands in it within the same step.
+def test_copy_source_stays_held_until_end_step():
+    # A copy-on-write source must not be reused within its step: the model runner may apply swap-ins
+    # before block copies, and a swap-in landing in the source would corrupt the copy.
     kv = KVCacheManager(3, BS, num_host_blocks=2)
     first = _request("a", range(8))
     _run(kv, first)
@@ -334,6 +339,9 @@ def test_copy_source_released_this_step_may_be_a_swap_in_target():
     again = _request("b", range(8))
     copies = kv.allocate_slots(again, 1, kv.get_computed_blocks(again))
     assert copies == [BlockCopy(src=1, dst=2)]
-    assert kv.pool.free_block_ids() == [1]
-    assert kv.swap_in(swapped) == [BlockCopy(src=0, dst=1)]  # overwrites the copy source
+    assert kv.pool.free_block_ids() == []
+    assert kv.swap_in(swapped) is None  # block 1 is still being copied from
+    assert kv.check_integrity()
+    kv.end_step()
+    assert kv.swap_in(swapped) == [BlockCopy(src=0, dst=1)]
     assert kv.check_integrity()

@@ -14,8 +14,8 @@ from flotilla.engine.scheduler_output import BlockCopy, ModelRunnerOutput, Sched
 
 
 class FakeRunner:
-    """Stands in for the model runner: stores (salt, token) per K/V slot, applies copies in the order the
-    real runner must (swap_out, block_copies, swap_in), writes each chunk, then checks every scheduled
+    """Stands in for the model runner: stores (salt, token) per K/V slot, applies copies in the real
+    runner's order (swap_out, swap_in, block_copies), writes each chunk, then checks every scheduled
     request reads its own tokens back through its block table. Wrong block ids, a stale or cross-tenant
     prefix hit, or a missed copy shows up as a mismatch."""
 
@@ -30,10 +30,10 @@ class FakeRunner:
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         for copy in output.swap_out:
             self._copy(self.device, self.host, copy)
-        for copy in output.block_copies:
-            self._copy(self.device, self.device, copy)
         for copy in output.swap_in:
             self._copy(self.host, self.device, copy)
+        for copy in output.block_copies:
+            self._copy(self.device, self.device, copy)
         for chunk in output.chunks:
             self._check_writable(chunk)
             tokens = chunk.request.all_token_ids
@@ -157,13 +157,16 @@ def test_fully_cached_prompt_recomputes_last_token_with_a_copy():
     scheduler.add_request(_request("a", range(8), max_tokens=1))
     _step(scheduler, runner)
     assert not scheduler.has_unfinished_requests
-    scheduler.add_request(_request("b", range(8), max_tokens=2))
+    b = _request("b", range(8), max_tokens=1)
+    scheduler.add_request(b)
     samples = []
     output = _step(scheduler, runner, samples)
     assert _chunks(output) == [("b", 7, 1)] and samples == [[True]]
     assert output.block_copies == [BlockCopy(src=1, dst=2)]  # token 7 goes into a private copy
     assert output.chunks[0].block_ids == [0, 2]
-    assert scheduler.requests["b"].output_token_ids == [1008]
+    assert b.output_token_ids == [1008] and b.is_finished
+    # Drained: the held copy source was released by update_from_output, no further schedule() needed.
+    assert scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
 
 
 # ---- admission ------------------------------------------------------------------------------------

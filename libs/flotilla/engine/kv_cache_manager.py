@@ -2,10 +2,9 @@
 copy-on-write, hash publishing, and swap to host slots. No tensors: the model runner moves the bytes
 that the returned BlockCopy lists describe.
 
-Order the model runner must apply one step's copies in (each list in its order), then run the step:
-  1. SchedulerOutput.swap_out      (device -> host; reads blocks that later allocations may reuse)
-  2. SchedulerOutput.block_copies  (copy-on-write; reads sources that a swap-in may reuse)
-  3. SchedulerOutput.swap_in       (host -> device)
+Before running a step the model runner applies SchedulerOutput.swap_out FIRST (its device blocks are
+free again and may already be a swap-in or copy target in the same step); swap_in and block_copies may
+then run in either order, since a copy-on-write source stays held until end_step().
 """
 
 from __future__ import annotations
@@ -80,6 +79,9 @@ class KVCacheManager:
         # Blocks published this step whose K/V the step itself has yet to write. Fine to share inside
         # the forward pass, but not as a copy-on-write source: copies run before the forward pass.
         self._pending: set[int] = set()
+        # Copy-on-write sources whose reference we keep until the step's copies have run, so that no
+        # allocation in the same step (a swap-in, say) can overwrite them before they are read.
+        self._held_copy_sources: list[int] = []
         self.num_prefix_queries_tokens = 0
         self.num_prefix_hit_tokens = 0
 
@@ -115,9 +117,13 @@ class KVCacheManager:
     def is_swapped(self, request: Request) -> bool:
         return request.request_id in self._host_tables
 
-    def begin_step(self) -> None:
-        """Called by the scheduler before it plans a step: last step's blocks are written by now."""
+    def end_step(self) -> None:
+        """The step's copies and K/V writes are done: release held copy sources, forget what was
+        pending. The scheduler calls it after each step's output (and again before planning one)."""
         self._pending.clear()
+        sources, self._held_copy_sources = self._held_copy_sources, []
+        for block_id in sources:
+            self.pool.free(block_id)
 
     # ---- prefix cache --------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
@@ -143,7 +149,6 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix; held blocks keep their content but are no longer shared."""
         self.pool.reset_hashes()
-        self._pending.clear()
 
     # ---- allocation ----------------------------------------------------------------------------
     def num_blocks_needed(
@@ -237,6 +242,8 @@ class KVCacheManager:
                 problems.append(f"request {request_id}: a block appears twice in its table {table}")
             for block_id in table:
                 holders[block_id] += 1
+        for block_id in self._held_copy_sources:
+            holders[block_id] += 1
         problems.extend(self.pool.integrity_problems(holders))
         problems.extend(self._host_problems())
         if problems:
@@ -323,8 +330,8 @@ class KVCacheManager:
         old_block = table[copy_index]
         new_block = self.pool.allocate()
         table[copy_index] = new_block
-        # The old block stays published (others may hit it); released, it goes back to the cached LRU.
-        self.pool.free(old_block)
+        # The old block stays published (others may hit it); at end_step it goes back to the cached LRU.
+        self._held_copy_sources.append(old_block)
         return [BlockCopy(src=old_block, dst=new_block)]
 
     def _cache_full_blocks(self, request: Request, table: list[int], start: int, end: int) -> None:

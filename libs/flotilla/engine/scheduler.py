@@ -122,8 +122,8 @@ class Scheduler:
 
     # ---- the step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self.kv.end_step()  # normally done by update_from_output; harmless twice
         self._check_integrity_when_idle()
-        self.kv.begin_step()
         step = _Step(budget=self.config.max_num_batched_tokens)
         self._schedule_running(step)
         self._schedule_waiting(step)
@@ -145,6 +145,7 @@ class Scheduler:
             request.num_computed_tokens += chunk.num_tokens
             if chunk.samples:
                 self._append_sample(request, model_runner_output)
+        self.kv.end_step()
 
     # ---- pipeline steps ------------------------------------------------------------------------
     def _schedule_running(self, step: _Step) -> None:
