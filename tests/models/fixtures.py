@@ -1,6 +1,9 @@
 """Reusable checkpoint fixtures. Import them into a conftest.py (or a test module) to use them:
 
-    from tests.models.fixtures import checkpoint_factory, tiny_checkpoint  # noqa: F401
+    from models.fixtures import checkpoint_factory, tiny_checkpoint  # noqa: F401   (from tests/conftest.py)
+    from .fixtures import checkpoint_factory, tiny_checkpoint  # noqa: F401          (inside tests/models/)
+
+(tests/ has no __init__.py, so pytest puts tests/ itself on sys.path and this module is `models.fixtures`.)
 
 `tiny_checkpoint` is one tiny llama checkpoint (seed 0) per test session; `checkpoint_factory(**kwargs)`
 returns a session-cached checkpoint for any write_checkpoint arguments (architecture="qwen2", seed=1, ...);
