@@ -25,8 +25,9 @@ def test_positions_and_slot_mapping():
 def test_decode_batch_with_decodes_out_of_order():
     decode = build_mixed().decode
     assert decode.token_indices.tolist() == [0, 6] and decode.token_slice is None
-    assert decode.context_slots.tolist() == [[28, 29, 30, 31, 12, 13], [16, 16, 16, 16, 16, 16]]
-    assert decode.mask[:, 0, 0].tolist() == [[True] * 6, [True] + [False] * 5]
+    # whole blocks, each table padded to the widest (2 blocks of 4) with block 0
+    assert decode.block_ids.tolist() == [7, 3, 4, 0]
+    assert decode.mask[:, 0, 0].tolist() == [[True] * 6 + [False] * 2, [True] + [False] * 7]
 
 
 def test_decode_first_uses_a_slice():
@@ -38,7 +39,7 @@ def test_decode_first_uses_a_slice():
 def test_prefill_chunk_is_causal_with_offset():
     (chunk,) = build_mixed().prefills
     assert chunk.token_slice == slice(1, 6)
-    assert chunk.context_slots.tolist() == [36, 37, 38, 39, 4, 5, 6]
+    assert chunk.block_ids.tolist() == [9, 1] and chunk.context_len == 7
     expected = torch.tensor([[k <= q for k in range(7)] for q in range(2, 7)])
     assert torch.equal(chunk.mask, expected)
 
