@@ -12,3 +12,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# Shared checkpoint fixtures: `tiny_checkpoint` (one tiny llama, seed 0, read-only) and `checkpoint_factory`.
+from models.fixtures import checkpoint_factory, tiny_checkpoint  # noqa: E402,F401
