@@ -126,7 +126,7 @@ class LLMEngine:
         started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         self._num_preemptions += len(scheduler_output.preempted)
-        if scheduler_output.is_empty:
+        if scheduler_output.is_empty and not scheduler_output.swap_out:
             self._last_step_seconds = 0.0
             return []
         runner_output = self.runner.execute(scheduler_output)

@@ -31,7 +31,9 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, dtype, device)
         # Host copy of the pool for swap preemption; pinned so that copies from a GPU are asynchronous.
         self.host_kv_caches = (
-            allocate_kv_cache(model.config, num_host_blocks, block_size, dtype, torch.device("cpu"))
+            allocate_kv_cache(
+                model.config, num_host_blocks, block_size, dtype, torch.device("cpu"), pin_memory=device.type == "cuda"
+            )
             if num_host_blocks
             else []
         )
@@ -39,6 +41,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._move_blocks(scheduler_output)
+        if scheduler_output.is_empty:  # a step may only swap out
+            return ModelRunnerOutput()
         # Decode chunks first: the attention metadata batches the one-token chunks in one call.
         chunks = sorted(scheduler_output.chunks, key=lambda chunk: chunk.num_tokens != 1)
         input_ids, positions = self._inputs(chunks)
