@@ -1,0 +1,55 @@
+"""`flotilla gateway` (run the HTTP gateway) and `flotilla gateway-key` (add an API key to a keys file)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from flotilla.gateway.settings import DEFAULT_MAX_BODY_BYTES
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    run = subparsers.add_parser("gateway", help="run the HTTP gateway (OpenAI- and Anthropic-compatible)")
+    run.add_argument("--router", required=True, help="router address, host:port")
+    run.add_argument("--host", default="127.0.0.1")
+    run.add_argument("--port", type=int, default=8000)
+    auth = run.add_mutually_exclusive_group(required=True)
+    auth.add_argument("--keys-file", type=Path, help="JSON keys file (see `flotilla gateway-key`)")
+    auth.add_argument("--no-auth", action="store_true", help="accept every request (local runs only)")
+    run.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    run.add_argument("--default-model", help="model used when a request names none")
+    run.add_argument("--model-refresh-s", type=float, default=10.0, help="model list refresh period")
+    run.set_defaults(func=_run)
+
+    key = subparsers.add_parser("gateway-key", help="generate an API key and add its digest to a keys file")
+    key.add_argument("--keys-file", type=Path, required=True)
+    key.add_argument("--key-id", required=True)
+    key.add_argument("--tenant", required=True)
+    key.add_argument("--tier", choices=("paid", "free"), default="paid")
+    key.set_defaults(func=_add_key)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from flotilla.gateway.server import run
+    from flotilla.gateway.settings import GatewaySettings
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = GatewaySettings(host=args.host, port=args.port, router_address=args.router,
+                               keys_file=None if args.no_auth else args.keys_file,
+                               max_body_bytes=args.max_body_bytes, default_model=args.default_model,
+                               model_refresh_s=args.model_refresh_s)
+    run(settings)
+    return 0
+
+
+def _add_key(args: argparse.Namespace) -> int:
+    from flotilla.gateway.keys import KeyEntry, KeyStore, generate_key, hash_key, write_keys_file
+
+    entries = KeyStore.from_file(args.keys_file).entries if args.keys_file.exists() else []
+    key = generate_key()
+    write_keys_file(args.keys_file, [*entries, KeyEntry(args.key_id, hash_key(key), args.tenant, args.tier)])
+    # The only time the plaintext exists outside the caller's hands; only its digest is stored.
+    sys.stdout.write(key + "\n")
+    return 0

@@ -1,0 +1,66 @@
+"""The gateway's ASGI app: routes, error rendering per dialect, the model-list refresher."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from flotilla.gateway import anthropic_api, health, models_api, openai_api
+from flotilla.gateway.context import GatewayContext, RequestContextMiddleware
+from flotilla.gateway.dialects import dialect_for_path, error_response, http_error
+from flotilla.gateway.keys import KeyStore
+from flotilla.gateway.metrics import GatewayMetrics
+from flotilla.gateway.model_registry import ModelRegistry, TokenizerLoader, load_engine_tokenizer
+from flotilla.gateway.router_client import RouterBackend
+from flotilla.gateway.settings import GatewaySettings
+
+
+def create_app(settings: GatewaySettings, backend: RouterBackend, key_store: KeyStore | None,
+               tokenizer_loader: TokenizerLoader = load_engine_tokenizer,
+               metrics: GatewayMetrics | None = None) -> FastAPI:
+    """The app does not own `backend`: whoever made it closes it after the server stops."""
+    metrics = metrics or GatewayMetrics()
+    registry = ModelRegistry(backend, tokenizer_loader, settings.min_refresh_gap_s)
+    context = GatewayContext(settings, backend, registry, key_store, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        refresher = asyncio.create_task(registry.refresh_forever(settings.model_refresh_s))
+        try:
+            yield
+        finally:
+            refresher.cancel()
+            await asyncio.gather(refresher, return_exceptions=True)
+
+    app = FastAPI(title="Flotilla gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.gateway = context
+    _add_routes(app)
+    app.add_exception_handler(StarletteHTTPException, _http_exception)
+    app.add_middleware(RequestContextMiddleware, metrics=metrics)
+    return app
+
+
+def _add_routes(app: FastAPI) -> None:
+    app.add_api_route("/v1/messages", anthropic_api.create_message, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", openai_api.create_chat_completion, methods=["POST"])
+    app.add_api_route("/v1/completions", openai_api.create_completion, methods=["POST"])
+    app.add_api_route("/v1/models", models_api.list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", models_api.get_model, methods=["GET"])
+    app.add_api_route("/healthz", health.healthz, methods=["GET"])
+    app.add_api_route("/readyz", health.readyz, methods=["GET"])
+    app.add_api_route("/metrics", health.metrics, methods=["GET"])
+
+
+async def _http_exception(request: Request, exc: StarletteHTTPException) -> Response:
+    """Unknown URLs and wrong methods, in the dialect of the path (OpenAI's unless it is Anthropic's)."""
+    err = http_error(exc.status_code, request.method, request.url.path)
+    response = error_response(dialect_for_path(request.url.path), err, request.app.state.gateway.settings.retry_after_s)
+    if exc.status_code == 405 and exc.headers:
+        response.headers.update(exc.headers)  # keeps Allow
+    return response

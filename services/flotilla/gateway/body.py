@@ -1,0 +1,70 @@
+"""Request bodies: size limit (declared and actually streamed), JSON parsing and schema validation."""
+
+from __future__ import annotations
+
+import json
+from typing import TypeVar
+
+import pydantic
+from starlette.requests import ClientDisconnect, Request
+
+from flotilla.gateway.errors import ClientDisconnected, ErrorKind, GatewayError
+
+ModelT = TypeVar("ModelT", bound=pydantic.BaseModel)
+MAX_REPORTED_ERRORS = 3
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The body, or 413 as soon as it is known to exceed max_bytes (a chunked body is counted as it comes)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise GatewayError(ErrorKind.INVALID_REQUEST, "invalid Content-Length header")
+        if int(declared) > max_bytes:
+            raise _too_large(int(declared), max_bytes)
+    chunks: list[bytes] = []
+    num_bytes = 0
+    try:
+        async for chunk in request.stream():
+            num_bytes += len(chunk)
+            if num_bytes > max_bytes:
+                raise _too_large(num_bytes, max_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect as err:
+        raise ClientDisconnected() from err
+    return b"".join(chunks)
+
+
+def parse_body(schema: type[ModelT], body: bytes) -> ModelT:
+    """Malformed JSON and schema violations are both 400; `param` names the first offending field."""
+    try:
+        document = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise GatewayError(ErrorKind.INVALID_REQUEST, f"the request body is not valid JSON: {err}") from err
+    if not isinstance(document, dict):
+        raise GatewayError(ErrorKind.INVALID_REQUEST, "the request body must be a JSON object")
+    try:
+        return schema.model_validate(document)
+    except pydantic.ValidationError as err:
+        raise _schema_error(err) from err
+
+
+def _schema_error(err: pydantic.ValidationError) -> GatewayError:
+    errors = err.errors(include_url=False)
+    described = [f"{_loc(e['loc']) or 'body'}: {e['msg']}" for e in errors[:MAX_REPORTED_ERRORS]]
+    return GatewayError(ErrorKind.INVALID_REQUEST, "; ".join(described), param=_loc(errors[0]["loc"]) or None)
+
+
+_UNION_MEMBER_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict"})
+
+
+def _loc(loc: tuple) -> str:
+    # pydantic puts union member names ("str", "list[TextBlock]") into locations; they are not fields.
+    return ".".join(str(part) for part in loc
+                    if isinstance(part, int) or (part.isidentifier() and part not in _UNION_MEMBER_NAMES))
+
+
+def _too_large(num_bytes: int, max_bytes: int) -> GatewayError:
+    return GatewayError(ErrorKind.REQUEST_TOO_LARGE,
+                        f"request body of {num_bytes} bytes exceeds the limit of {max_bytes} bytes",
+                        code="request_too_large")

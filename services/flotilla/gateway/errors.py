@@ -1,0 +1,92 @@
+"""Gateway errors, one kind per HTTP outcome, and how router and gRPC failures map onto them.
+
+Each kind carries its HTTP status and its error type in both dialects, so a handler raises one
+GatewayError and the dialect decides only the body's shape (see dialects.py).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import grpc
+
+from flotilla.api.common.v1 import common_pb2 as common
+
+
+class ErrorKind(enum.Enum):
+    # value: (HTTP status, Anthropic error type, OpenAI error type)
+    INVALID_REQUEST = (400, "invalid_request_error", "invalid_request_error")
+    AUTHENTICATION = (401, "authentication_error", "invalid_request_error")
+    NOT_FOUND = (404, "not_found_error", "invalid_request_error")
+    METHOD_NOT_ALLOWED = (405, "invalid_request_error", "invalid_request_error")
+    REQUEST_TOO_LARGE = (413, "request_too_large", "invalid_request_error")
+    RATE_LIMITED = (429, "rate_limit_error", "rate_limit_error")
+    INTERNAL = (500, "api_error", "server_error")
+    UNAVAILABLE = (503, "api_error", "server_error")
+    TIMEOUT = (504, "api_error", "server_error")
+    OVERLOADED = (529, "overloaded_error", "server_error")
+
+    @property
+    def status(self) -> int:
+        return self.value[0]
+
+    @property
+    def anthropic_type(self) -> str:
+        return self.value[1]
+
+    @property
+    def openai_type(self) -> str:
+        return self.value[2]
+
+    @property
+    def is_retryable(self) -> bool:
+        return self in (ErrorKind.RATE_LIMITED, ErrorKind.UNAVAILABLE, ErrorKind.OVERLOADED)
+
+
+class GatewayError(Exception):
+    """A request the gateway answers with an error; `param` names the offending field when there is one."""
+
+    def __init__(self, kind: ErrorKind, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the answer was ready; the router call has been cancelled."""
+
+
+_ROUTER_CODES = {
+    common.ERROR_CODE_INVALID_REQUEST: (ErrorKind.INVALID_REQUEST, None),
+    common.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED: (ErrorKind.INVALID_REQUEST, "context_length_exceeded"),
+    common.ERROR_CODE_MODEL_NOT_FOUND: (ErrorKind.NOT_FOUND, "model_not_found"),
+    common.ERROR_CODE_OVERLOADED: (ErrorKind.OVERLOADED, "overloaded"),
+    common.ERROR_CODE_UNAVAILABLE: (ErrorKind.UNAVAILABLE, "unavailable"),
+    common.ERROR_CODE_DEADLINE_EXCEEDED: (ErrorKind.TIMEOUT, "deadline_exceeded"),
+    common.ERROR_CODE_INTERNAL: (ErrorKind.INTERNAL, None),
+}
+
+_GRPC_CODES = {
+    grpc.StatusCode.UNAVAILABLE: ErrorKind.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ErrorKind.OVERLOADED,
+    grpc.StatusCode.DEADLINE_EXCEEDED: ErrorKind.TIMEOUT,
+    grpc.StatusCode.NOT_FOUND: ErrorKind.NOT_FOUND,
+    grpc.StatusCode.INVALID_ARGUMENT: ErrorKind.INVALID_REQUEST,
+}
+
+
+def error_from_router(error: common.Error) -> GatewayError:
+    kind, code = _ROUTER_CODES.get(error.code, (ErrorKind.INTERNAL, None))
+    message = error.message or f"router error {common.ErrorCode.Name(error.code)}"
+    return GatewayError(kind, message, param=error.field or None, code=code)
+
+
+def error_from_grpc(err: grpc.RpcError) -> GatewayError:
+    status = err.code() if hasattr(err, "code") else None
+    kind = _GRPC_CODES.get(status, ErrorKind.INTERNAL)
+    if kind is ErrorKind.UNAVAILABLE:
+        return GatewayError(kind, "the router is unavailable; retry later", code="unavailable")
+    details = err.details() if hasattr(err, "details") else str(err)
+    return GatewayError(kind, f"router call failed: {details}")

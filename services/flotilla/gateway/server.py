@@ -1,0 +1,40 @@
+"""Runs the gateway: router client, key store, app, uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import uvicorn
+
+from flotilla.gateway.app import create_app
+from flotilla.gateway.keys import KeyStore
+from flotilla.gateway.router_client import RouterClient
+from flotilla.gateway.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+
+def load_key_store(settings: GatewaySettings) -> KeyStore | None:
+    if settings.keys_file is None:
+        log.warning("no keys file: authentication is OFF; every caller is the tenant 'anonymous'")
+        return None
+    return KeyStore.from_file(settings.keys_file)
+
+
+async def serve(settings: GatewaySettings, sockets: list[socket.socket] | None = None) -> None:
+    """Serve until interrupted; `sockets` lets a caller bind first (port 0, tests)."""
+    key_store = load_key_store(settings)
+    backend = RouterClient(settings.router_address, settings.router_timeout_s)
+    try:
+        app = create_app(settings, backend, key_store)
+        config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
+                                timeout_graceful_shutdown=5, lifespan="on")
+        await uvicorn.Server(config).serve(sockets=sockets)
+    finally:
+        await backend.close()
+
+
+def run(settings: GatewaySettings) -> None:
+    asyncio.run(serve(settings))

@@ -1,0 +1,32 @@
+"""Gateway settings: everything the HTTP front door needs to start, fixed at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    router_address: str = "127.0.0.1:50051"
+    keys_file: Path | None = None  # None: authentication disabled (local runs only)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    default_model: str | None = None  # used when a request names no model
+    model_refresh_s: float = 10.0  # how often the model list is re-read from the router
+    min_refresh_gap_s: float = 1.0  # unknown-model refreshes are throttled to one per gap
+    retry_after_s: int = 1  # Retry-After on 503/529 answers
+    router_timeout_s: float = 5.0  # unary router calls (ListModels)
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.model_refresh_s <= 0 or self.min_refresh_gap_s < 0:
+            raise ValueError("model_refresh_s must be > 0 and min_refresh_gap_s >= 0")
+        if self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")

@@ -1,0 +1,118 @@
+"""An in-process RouterService over real grpc.aio that streams canned tokens, chosen by model name:
+
+- "tiny" (alias "tiny-latest"): tokens 100, 101, ... with text "w0 ", "w1 ", ... two per chunk; ends with
+  LENGTH at max_tokens, STOP with the first stop string after 2 tokens when stop strings are given, else
+  STOP (eos) after NUM_NATURAL_TOKENS tokens. Usage reports CACHED_TOKENS cached prompt tokens.
+- "busy" / "gone": an OVERLOADED / UNAVAILABLE error before any token.
+- "midfail": one chunk, then an INTERNAL error.
+- "hang": one chunk, then waits until cancelled (the cancellation is recorded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+from flotilla.api.common.v1 import common_pb2 as common
+from flotilla.api.router.v1 import router_pb2, router_pb2_grpc
+
+NUM_NATURAL_TOKENS = 6
+CACHED_TOKENS = 3
+FIRST_TOKEN_ID = 100
+EOS_TOKEN_ID = 2
+MAX_MODEL_LEN = 128
+MODEL_NAMES = ("tiny", "busy", "gone", "midfail", "hang")
+
+
+def token_text(i: int) -> str:
+    return f"w{i} "
+
+
+def canned_text(num_tokens: int) -> str:
+    return "".join(token_text(i) for i in range(num_tokens))
+
+
+class FakeRouter(router_pb2_grpc.RouterServiceServicer):
+    def __init__(self, checkpoint_path: str):
+        self.models = [common.ModelInfo(name=name, version="v1", max_model_len=MAX_MODEL_LEN,
+                                        checkpoint_path=checkpoint_path,
+                                        aliases=["tiny-latest"] if name == "tiny" else [])
+                       for name in MODEL_NAMES]
+        self.requests: list[common.GenerateRequest] = []
+        self.cancelled: list[common.GenerateRequest] = []
+        self._changed = threading.Condition()
+
+    def add_model(self, info: common.ModelInfo) -> None:
+        self.models = [*self.models, info]
+
+    def wait_until(self, predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+        """Blocks the calling (test) thread until predicate() holds or the deadline passes."""
+        with self._changed:
+            return self._changed.wait_for(predicate, timeout=timeout_s)
+
+    def request_by_id(self, request_id: str) -> common.GenerateRequest:
+        return next(r for r in self.requests if r.request_id == request_id)
+
+    async def ListModels(self, request, context):
+        return router_pb2.ListModelsResponse(models=self.models)
+
+    async def Generate(self, request: common.GenerateRequest, context):
+        self._record(self.requests, request)
+        behaviour = {"busy": self._error(common.ERROR_CODE_OVERLOADED, "queue full"),
+                     "gone": self._error(common.ERROR_CODE_UNAVAILABLE, "no worker serves the model"),
+                     "midfail": self._midfail(), "hang": self._hang(request)}.get(request.model)
+        async for response in behaviour or self._tokens(request):
+            yield response
+
+    async def _tokens(self, request: common.GenerateRequest):
+        num_tokens, finished = _plan(request)
+        for start in range(0, num_tokens, 2):
+            ids = list(range(start, min(start + 2, num_tokens)))
+            yield common.GenerateResponse(chunk=_chunk(ids, request.sampling))
+        yield common.GenerateResponse(finished=finished)
+
+    async def _error(self, code: int, message: str):
+        yield common.GenerateResponse(error=common.Error(code=code, message=message))
+
+    async def _midfail(self):
+        yield common.GenerateResponse(chunk=_chunk([0], common.SamplingParams()))
+        yield common.GenerateResponse(error=common.Error(code=common.ERROR_CODE_INTERNAL, message="worker died"))
+
+    async def _hang(self, request: common.GenerateRequest):
+        yield common.GenerateResponse(chunk=_chunk([0], common.SamplingParams()))
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self._record(self.cancelled, request)
+            raise
+
+    def _record(self, records: list, request: common.GenerateRequest) -> None:
+        with self._changed:
+            records.append(request)
+            self._changed.notify_all()
+
+
+def _chunk(indices: list[int], sampling: common.SamplingParams) -> common.TokenChunk:
+    logprobs = []
+    if sampling.HasField("logprobs"):
+        num_top = sampling.logprobs
+        logprobs = [common.TokenLogprob(token_id=FIRST_TOKEN_ID + i, logprob=-0.5 - i,
+                                        top_token_ids=[FIRST_TOKEN_ID + i + k for k in range(num_top)],
+                                        top_logprobs=[-0.5 - i - k for k in range(num_top)]) for i in indices]
+    return common.TokenChunk(token_ids=[FIRST_TOKEN_ID + i for i in indices],
+                             text="".join(token_text(i) for i in indices), logprobs=logprobs)
+
+
+def _plan(request: common.GenerateRequest) -> tuple[int, common.Finished]:
+    sampling = request.sampling
+    natural = 2 if sampling.stop else NUM_NATURAL_TOKENS
+    num_tokens = min(sampling.max_tokens, natural)
+    usage = common.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=num_tokens,
+                         cached_prompt_tokens=CACHED_TOKENS)
+    if sampling.max_tokens < natural:
+        return num_tokens, common.Finished(reason=common.FINISH_REASON_LENGTH, usage=usage)
+    if sampling.stop:
+        return num_tokens, common.Finished(reason=common.FINISH_REASON_STOP, stop_sequence=sampling.stop[0],
+                                           usage=usage)
+    return num_tokens, common.Finished(reason=common.FINISH_REASON_STOP, stop_token_id=EOS_TOKEN_ID, usage=usage)

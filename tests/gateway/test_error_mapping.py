@@ -1,0 +1,44 @@
+"""Router error codes and gRPC statuses onto HTTP statuses and both dialects' error types."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from flotilla.api.common.v1 import common_pb2 as common
+from flotilla.gateway.dialects import Dialect, error_body
+from flotilla.gateway.errors import error_from_grpc, error_from_router
+
+
+@pytest.mark.parametrize("code,status,anthropic_type", [
+    (common.ERROR_CODE_INVALID_REQUEST, 400, "invalid_request_error"),
+    (common.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED, 400, "invalid_request_error"),
+    (common.ERROR_CODE_MODEL_NOT_FOUND, 404, "not_found_error"),
+    (common.ERROR_CODE_OVERLOADED, 529, "overloaded_error"),
+    (common.ERROR_CODE_UNAVAILABLE, 503, "api_error"),
+    (common.ERROR_CODE_DEADLINE_EXCEEDED, 504, "api_error"),
+    (common.ERROR_CODE_INTERNAL, 500, "api_error"),
+    (common.ERROR_CODE_UNSPECIFIED, 500, "api_error"),
+])
+def test_router_error_codes(code, status, anthropic_type):
+    err = error_from_router(common.Error(code=code, message="m", field="temperature"))
+    assert err.kind.status == status
+    assert error_body(Dialect.ANTHROPIC, err) == {"type": "error", "error": {"type": anthropic_type, "message": "m"}}
+    assert error_body(Dialect.OPENAI, err)["error"]["param"] == "temperature"
+
+
+class _RpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode):
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return "details"
+
+
+@pytest.mark.parametrize("code,status", [(grpc.StatusCode.UNAVAILABLE, 503), (grpc.StatusCode.RESOURCE_EXHAUSTED, 529),
+                                         (grpc.StatusCode.DEADLINE_EXCEEDED, 504), (grpc.StatusCode.UNKNOWN, 500)])
+def test_grpc_statuses(code, status):
+    assert error_from_grpc(_RpcError(code)).kind.status == status
