@@ -23,7 +23,7 @@ def test_positions_and_slot_mapping():
 
 
 def test_decode_batch_with_decodes_out_of_order():
-    decode = build_mixed().decode
+    (decode,) = build_mixed().decode_groups
     assert decode.token_indices.tolist() == [0, 6] and decode.token_slice is None
     # whole blocks, each table padded to the widest (2 blocks of 4) with block 0
     assert decode.block_ids.tolist() == [7, 3, 4, 0]
@@ -32,7 +32,7 @@ def test_decode_batch_with_decodes_out_of_order():
 
 def test_decode_first_uses_a_slice():
     seqs = [SeqChunk(3, 1, [2]), SeqChunk(0, 1, [5]), SeqChunk(0, 3, [6])]
-    decode = AttentionMetadata.build(seqs, 4, CPU).decode
+    (decode,) = AttentionMetadata.build(seqs, 4, CPU).decode_groups
     assert decode.token_slice == slice(0, 2)
 
 
@@ -46,7 +46,7 @@ def test_prefill_chunk_is_causal_with_offset():
 
 def test_prefill_from_zero_uses_plain_causal():
     meta = AttentionMetadata.build([SeqChunk(0, 6, [3, 0])], 4, CPU)
-    assert meta.decode is None and meta.prefills[0].mask is None
+    assert meta.decode_groups == () and meta.prefills[0].mask is None
 
 
 @pytest.mark.parametrize(
@@ -56,3 +56,11 @@ def test_prefill_from_zero_uses_plain_causal():
 def test_invalid_steps_raise(seqs, message):
     with pytest.raises(ValueError, match=message):
         AttentionMetadata.build(seqs, 4, CPU)
+
+
+def test_decode_groups_cap_the_gathered_context():
+    # contexts 4, 5, 8, 9 tokens; at most 12 padded tokens per group -> [4, 5] (2 x 5), [8] , [9]
+    seqs = [SeqChunk(3, 1, [1]), SeqChunk(4, 1, [2, 3]), SeqChunk(7, 1, [4, 5]), SeqChunk(8, 1, [6, 7, 8])]
+    groups = AttentionMetadata.build(seqs, 4, CPU, max_decode_group_tokens=12).decode_groups
+    assert [g.token_slice for g in groups] == [slice(0, 2), slice(2, 3), slice(3, 4)]
+    assert groups[0].block_ids.tolist() == [1, 0, 2, 3]

@@ -43,8 +43,9 @@ class ModelRunner:
         self._move_blocks(scheduler_output)
         if scheduler_output.is_empty:  # a step may only swap out
             return ModelRunnerOutput()
-        # Decode chunks first: the attention metadata batches the one-token chunks in one call.
-        chunks = sorted(scheduler_output.chunks, key=lambda chunk: chunk.num_tokens != 1)
+        # Decode chunks first, shortest context first: the attention metadata batches runs of one-token
+        # chunks of similar length into one call each.
+        chunks = sorted(scheduler_output.chunks, key=lambda chunk: (chunk.num_tokens != 1, chunk.end))
         input_ids, positions = self._inputs(chunks)
         meta = AttentionMetadata.build(
             [SeqChunk(c.start, c.num_tokens, c.block_ids) for c in chunks], self.block_size, self.device

@@ -3,8 +3,10 @@
 Each layer (1) writes every new token's K/V into the cache through `slot_mapping`, then
 (2) reads each sequence's whole context back through its block table. Writing first matters:
 a sequence may read blocks that another sequence of the same step has just written.
-Decode chunks (one token) run batched in one SDPA call over a padded gather with a boolean mask;
-prefill chunks run one SDPA call each, causal with an offset.
+Decode chunks (one token) run batched in SDPA calls over a padded gather with a boolean mask, in groups
+of consecutive sequences whose gathered K/V stays small (on a CPU a group that fits the caches runs
+4x faster than one big batch; on a GPU one group); prefill chunks run one SDPA call each, causal with
+an offset.
 """
 
 from __future__ import annotations
@@ -52,11 +54,19 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot (block_id * block_size + offset) of every new token
     context_lens: torch.Tensor  # [num_seqs] context length after the step
     block_tables: torch.Tensor  # [num_seqs, max_blocks], padded with 0 past each table's needed blocks
-    decode: DecodeBatch | None
+    decode_groups: tuple[DecodeBatch, ...]
     prefills: tuple[PrefillChunk, ...]
 
     @classmethod
-    def build(cls, seqs: Sequence[SeqChunk], block_size: int, device: torch.device) -> AttentionMetadata:
+    def build(
+        cls,
+        seqs: Sequence[SeqChunk],
+        block_size: int,
+        device: torch.device,
+        max_decode_group_tokens: int | None = None,
+    ) -> AttentionMetadata:
+        """max_decode_group_tokens caps the padded context tokens gathered per decode SDPA call; None picks
+        a per-device default. Order decode chunks by context length to keep padding small."""
         _validate(seqs, block_size)
         starts = [seq.start for seq in seqs]
         counts = [seq.num_tokens for seq in seqs]
@@ -69,7 +79,11 @@ class AttentionMetadata:
         )
         slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
         decode_ids = [i for i, count in enumerate(counts) if count == 1]
-        decode = _decode_batch(decode_ids, offsets, ends, block_tables, block_size, device)
+        group_tokens = max_decode_group_tokens or _default_decode_group_tokens(device)
+        decode_groups = tuple(
+            _decode_batch(group, offsets, ends, block_tables, block_size, device)
+            for group in _decode_groups(decode_ids, ends, group_tokens)
+        )
         prefills = tuple(
             _prefill_chunk(starts[i], counts[i], offsets[i], block_tables[i], block_size, device)
             for i in range(len(seqs))
@@ -81,7 +95,7 @@ class AttentionMetadata:
             slot_mapping=slot_mapping,
             context_lens=torch.tensor(ends, dtype=torch.int64, device=device),
             block_tables=block_tables,
-            decode=decode,
+            decode_groups=decode_groups,
             prefills=prefills,
         )
 
@@ -125,9 +139,27 @@ def _positions(starts: list[int], counts: list[int], offsets: list[int], device)
     return (torch.arange(sum(counts), dtype=torch.int64) + per_token_shift).to(device, non_blocking=True)
 
 
-def _decode_batch(decode_ids: list[int], offsets, ends, block_tables, block_size, device) -> DecodeBatch | None:
-    if not decode_ids:
-        return None
+CPU_DECODE_GROUP_TOKENS = 4096  # ~4 MB of fp32 K/V per group for a 128-wide KV layer: stays in cache
+
+
+def _default_decode_group_tokens(device: torch.device) -> int:
+    return CPU_DECODE_GROUP_TOKENS if device.type == "cpu" else 1 << 62
+
+
+def _decode_groups(decode_ids: list[int], ends: list[int], max_group_tokens: int) -> list[list[int]]:
+    """Consecutive runs of decode sequences whose padded contexts total at most max_group_tokens."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for i in decode_ids:
+        width = max([ends[j] for j in current] + [ends[i]])
+        if current and width * (len(current) + 1) > max_group_tokens:
+            groups.append(current)
+            current = []
+        current.append(i)
+    return groups + [current] if current else groups
+
+
+def _decode_batch(decode_ids: list[int], offsets, ends, block_tables, block_size, device) -> DecodeBatch:
     rows = [offsets[i] for i in decode_ids]
     contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
     width = -(-max(ends[i] for i in decode_ids) // block_size)
@@ -168,8 +200,8 @@ def paged_attention(
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
-    if meta.decode is not None:
-        _decode_attention(q, kv_cache, meta.decode, out)
+    for group in meta.decode_groups:
+        _decode_attention(q, kv_cache, group, out)
     for chunk in meta.prefills:
         out[chunk.token_slice] = _prefill_attention(q[chunk.token_slice], kv_cache, chunk)
     return out
