@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # Subcommand modules; each defines register(subparsers) and sets a `func(args) -> int` default.
-SUBCOMMAND_MODULES = ("flotilla.cli.model", "flotilla.cli.gateway")
+SUBCOMMAND_MODULES = ("flotilla.cli.model", "flotilla.cli.serve", "flotilla.cli.gateway", "flotilla.cli.up")
 
 
 def build_parser() -> argparse.ArgumentParser:

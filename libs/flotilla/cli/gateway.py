@@ -14,7 +14,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run = subparsers.add_parser("gateway", help="run the HTTP gateway (OpenAI- and Anthropic-compatible)")
     run.add_argument("--router", required=True, help="router address, host:port")
     run.add_argument("--host", default="127.0.0.1")
-    run.add_argument("--port", type=int, default=8000)
+    run.add_argument("--port", type=int, default=8000, help="0: pick a free port and announce it")
+    run.add_argument("--port-file", default=None, help="write the bound port here once listening")
     auth = run.add_mutually_exclusive_group(required=True)
     auth.add_argument("--keys-file", type=Path, help="JSON keys file (see `flotilla gateway-key`)")
     auth.add_argument("--no-auth", action="store_true", help="accept every request (local runs only)")
@@ -36,7 +37,8 @@ def _run(args: argparse.Namespace) -> int:
     from flotilla.gateway.settings import GatewaySettings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = GatewaySettings(host=args.host, port=args.port, router_address=args.router,
+    settings = GatewaySettings(host=args.host, port=args.port, port_file=args.port_file,
+                               router_address=args.router,
                                keys_file=None if args.no_auth else args.keys_file,
                                max_body_bytes=args.max_body_bytes, default_model=args.default_model,
                                model_refresh_s=args.model_refresh_s)

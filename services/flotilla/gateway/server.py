@@ -37,4 +37,13 @@ async def serve(settings: GatewaySettings, sockets: list[socket.socket] | None =
 
 
 def run(settings: GatewaySettings) -> None:
-    asyncio.run(serve(settings))
+    """Bind first, so that port 0 works and the port is announced only once it accepts connections."""
+    from flotilla.rpc.serving import announce
+
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((settings.host, settings.port))
+    sock.listen(2048)
+    announce("gateway", settings.host, sock.getsockname()[1], settings.port_file)
+    asyncio.run(serve(settings, sockets=[sock]))

@@ -11,7 +11,8 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 @dataclass(frozen=True)
 class GatewaySettings:
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = 8000  # 0: any free port, announced on stdout and in port_file
+    port_file: str | None = None
     router_address: str = "127.0.0.1:50051"
     keys_file: Path | None = None  # None: authentication disabled (local runs only)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES

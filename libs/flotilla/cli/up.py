@@ -1,0 +1,156 @@
+"""`flotilla up`: the whole fleet on this machine, with a tiny default model made on first run.
+
+Settings come from flags, then environment variables (FLOTILLA_*), then a YAML file (--config), then
+defaults. Ctrl-C or SIGTERM stops every child.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEFAULTS: dict[str, Any] = {
+    "state_dir": ".flotilla",
+    "model_dir": None,  # default: <state_dir>/models/flotilla-tiny, created on first run
+    "model_name": "",
+    "host": "127.0.0.1",
+    "port": 8080,
+    "workers": 1,
+    "api_key": None,  # default: a fresh key each start (only its digest is written to disk)
+    "worker_args": [],
+    "router_args": [],
+    "gateway_args": [],
+}
+ENV_VARS = {
+    "state_dir": "FLOTILLA_STATE_DIR",
+    "model_dir": "FLOTILLA_MODEL_DIR",
+    "model_name": "FLOTILLA_MODEL_NAME",
+    "host": "FLOTILLA_HOST",
+    "port": "FLOTILLA_PORT",
+    "workers": "FLOTILLA_WORKERS",
+    "api_key": "FLOTILLA_API_KEY",
+}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    up = subparsers.add_parser("up", help="run router, workers and gateway on this machine")
+    up.add_argument("--config", type=Path, help="YAML file with any of: " + ", ".join(DEFAULTS))
+    up.add_argument("--state-dir", help="logs, port files, keys and the default model (default .flotilla)")
+    up.add_argument("--model-dir", help="Hugging Face checkpoint directory to serve")
+    up.add_argument("--model-name", help="served model name (default: the directory's name)")
+    up.add_argument("--host", help="address every service binds (default 127.0.0.1)")
+    up.add_argument("--port", type=int, help="gateway port (default 8080, or $FLOTILLA_PORT)")
+    up.add_argument("--workers", type=int, help="number of workers (role both)")
+    up.add_argument("--worker-arg", action="append", dest="worker_args", help="extra `flotilla worker` flag")
+    up.set_defaults(func=run_up)
+
+
+def resolve_settings(args: argparse.Namespace, environ: dict[str, str] | None = None) -> dict[str, Any]:
+    environ = os.environ if environ is None else environ
+    settings = dict(DEFAULTS)
+    if args.config:
+        loaded = yaml.safe_load(args.config.read_text()) or {}
+        unknown = set(loaded) - set(DEFAULTS)
+        if unknown:
+            raise SystemExit(f"{args.config}: unknown settings {sorted(unknown)}; known: {sorted(DEFAULTS)}")
+        settings.update(loaded)
+    for key, var in ENV_VARS.items():
+        if environ.get(var):
+            settings[key] = environ[var]
+    for key in DEFAULTS:
+        value = getattr(args, key, None)
+        if value is not None:
+            settings[key] = value
+    settings["port"] = int(settings["port"])
+    settings["workers"] = int(settings["workers"])
+    return settings
+
+
+def run_up(args: argparse.Namespace) -> int:
+    from flotilla.fleet.local import FleetConfig, LocalFleet
+    from flotilla.fleet.process import ProcessFailed
+    from flotilla.gateway.keys import KeyEntry, generate_key, hash_key, write_keys_file
+
+    settings = resolve_settings(args)
+    state_dir = Path(settings["state_dir"]).resolve()
+    model_dir = Path(settings["model_dir"] or state_dir / "models" / "flotilla-tiny").resolve()
+    _ensure_model(model_dir, default=settings["model_dir"] is None)
+    api_key = settings["api_key"] or generate_key()
+    keys_file = state_dir / "keys.json"
+    write_keys_file(keys_file, [KeyEntry("local", hash_key(api_key), "local", "paid")])
+    fleet = LocalFleet(
+        FleetConfig(
+            model_dir=model_dir,
+            state_dir=state_dir,
+            model_name=settings["model_name"],
+            host=settings["host"],
+            gateway_port=settings["port"],
+            num_workers=settings["workers"],
+            keys_file=keys_file,
+            worker_args=[str(a) for a in settings["worker_args"]],
+            router_args=[str(a) for a in settings["router_args"]],
+            gateway_args=[str(a) for a in settings["gateway_args"]],
+        )
+    )
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    print(f"starting the fleet (logs in {state_dir / 'logs'}) ...", flush=True)
+    try:
+        fleet.start()
+    except ProcessFailed as error:
+        print(f"flotilla up failed: {error}", file=sys.stderr)
+        return 1
+    print(usage_text(fleet.gateway_url, fleet.model_name, api_key), flush=True)
+    try:
+        while not stop.wait(0.5):
+            dead = [s.name for s in fleet.services() if not s.is_running()]
+            if dead:
+                print(f"{', '.join(dead)} exited; stopping the fleet (see {state_dir / 'logs'})", file=sys.stderr)
+                return 1
+    finally:
+        print("stopping the fleet ...", flush=True)
+        fleet.stop()
+    return 0
+
+
+def _ensure_model(model_dir: Path, default: bool) -> None:
+    if (model_dir / "config.json").exists():
+        return
+    if not default:
+        raise SystemExit(f"{model_dir} is not a checkpoint directory (no config.json)")
+    from flotilla.models.checkpoint import write_checkpoint
+
+    print(f"creating the tiny default model in {model_dir} (first run only) ...", flush=True)
+    write_checkpoint(model_dir, size="tiny", seed=0)
+
+
+def usage_text(base_url: str, model: str, api_key: str) -> str:
+    return f"""
+Flotilla is up: gateway {base_url}, model "{model}".
+API key: {api_key}
+(set FLOTILLA_API_KEY to choose the key; Ctrl-C stops the fleet)
+
+curl {base_url}/v1/messages \\
+  -H "x-api-key: {api_key}" -H "content-type: application/json" \\
+  -d '{{"model": "{model}", "max_tokens": 32, "messages": [{{"role": "user", "content": "Hello"}}]}}'
+
+Python, OpenAI SDK:
+  from openai import OpenAI
+  client = OpenAI(base_url="{base_url}/v1", api_key="{api_key}")
+  print(client.chat.completions.create(model="{model}", max_tokens=32,
+        messages=[{{"role": "user", "content": "Hello"}}]).choices[0].message.content)
+
+Python, Anthropic SDK:
+  from anthropic import Anthropic
+  client = Anthropic(base_url="{base_url}", api_key="{api_key}")
+  print(client.messages.create(model="{model}", max_tokens=32,
+        messages=[{{"role": "user", "content": "Hello"}}]).content[0].text)
+"""

@@ -1,0 +1,124 @@
+"""The whole fleet on one machine: router, workers and gateway as separate processes on loopback."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from flotilla.fleet.process import ProcessFailed, ServiceProcess
+
+START_TIMEOUT_S = 180.0  # a worker loads weights and allocates its KV pool before it serves
+
+
+@dataclass
+class FleetConfig:
+    model_dir: Path
+    state_dir: Path  # logs, port files, keys
+    model_name: str = ""  # default: the checkpoint directory's name
+    host: str = "127.0.0.1"
+    gateway_port: int = 0  # 0: any free port
+    num_workers: int = 1
+    keys_file: Path | None = None  # None: no authentication
+    worker_args: list[str] = field(default_factory=list)  # extra `flotilla worker` flags
+    router_args: list[str] = field(default_factory=list)
+    gateway_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class LocalFleet:
+    def __init__(self, config: FleetConfig):
+        self.config = config
+        self.router: ServiceProcess | None = None
+        self.workers: list[ServiceProcess] = []
+        self.gateway: ServiceProcess | None = None
+        self.router_address = ""
+        self.gateway_url = ""
+        self._next_worker = 0
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name or Path(self.config.model_dir).name
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> LocalFleet:
+        """Start every service and return once the gateway serves the model; stops all on failure."""
+        try:
+            self._start_router(timeout_s)
+            for _ in range(self.config.num_workers):
+                self.start_worker(wait=False)
+            for worker in self.workers:
+                worker.wait_port(timeout_s)
+            self._start_gateway(timeout_s)
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _service(self, name: str, args: list[str]) -> ServiceProcess:
+        state = Path(self.config.state_dir)
+        return ServiceProcess(
+            name, args, state / "logs" / f"{name}.log", state / "ports" / f"{name}.port", dict(self.config.env)
+        )
+
+    def _start_router(self, timeout_s: float) -> None:
+        args = ["router", "--host", self.config.host, "--model", self.model_name, *self.config.router_args]
+        self.router = self._service("router", args)
+        self.router.start()
+        self.router_address = f"{self.config.host}:{self.router.wait_port(timeout_s)}"
+
+    def start_worker(self, wait: bool = True, extra_args: list[str] | None = None) -> ServiceProcess:
+        name = f"worker-{self._next_worker}"
+        self._next_worker += 1
+        args = [
+            "worker", "--host", self.config.host, "--router", self.router_address, "--worker-id", name,
+            "--model-dir", str(self.config.model_dir), "--model-name", self.model_name,
+            *self.config.worker_args, *(extra_args or []),
+        ]  # fmt: skip
+        worker = self._service(name, args)
+        worker.start()
+        self.workers.append(worker)
+        if wait:
+            worker.wait_port(START_TIMEOUT_S)
+        return worker
+
+    def _start_gateway(self, timeout_s: float) -> None:
+        auth = ["--keys-file", str(self.config.keys_file)] if self.config.keys_file else ["--no-auth"]
+        args = [
+            "gateway", "--host", self.config.host, "--port", str(self.config.gateway_port),
+            "--router", self.router_address, *auth, *self.config.gateway_args,
+        ]  # fmt: skip
+        self.gateway = self._service("gateway", args)
+        self.gateway.start()
+        self.gateway_url = f"http://{self.config.host}:{self.gateway.wait_port(timeout_s)}"
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Until /readyz says the router is reachable and serves a model."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for service in self.services():
+                if not service.is_running():
+                    raise ProcessFailed(f"{service.name} exited:\n{service.log_tail()}")
+            try:
+                if httpx.get(f"{self.gateway_url}/readyz", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise ProcessFailed(f"fleet not ready within {timeout_s:.0f} s:\n{self.gateway.log_tail()}")
+
+    def services(self) -> list[ServiceProcess]:
+        return [s for s in [self.gateway, *self.workers, self.router] if s is not None]
+
+    def stop(self) -> None:
+        """Front to back: the gateway stops taking requests first, the router last."""
+        for service in self.services():
+            service.stop()
+
+    def __enter__(self) -> LocalFleet:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
