@@ -1,0 +1,120 @@
+"""`flotilla worker ...` and `flotilla router ...`: run one service as a process (Ctrl-C / SIGTERM stops it)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    worker = subparsers.add_parser("worker", help="serve one model checkpoint (WorkerService)")
+    _add_common(worker)
+    worker.add_argument("--model-dir", required=True, help="Hugging Face checkpoint directory")
+    worker.add_argument("--model-name", default="", help="served name (default: the directory's name)")
+    worker.add_argument("--router", default=None, help="router host:port to register with")
+    worker.add_argument("--worker-id", default="", help="default: worker-<random>")
+    worker.add_argument("--advertise-host", default=None, help="host the router dials (default: --host)")
+    worker.add_argument("--device", default="auto")
+    worker.add_argument("--dtype", default="auto")
+    worker.add_argument("--block-size", type=int, default=16)
+    worker.add_argument("--num-kv-blocks", type=int, default=None)
+    worker.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    worker.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    worker.add_argument("--max-num-seqs", type=int, default=256)
+    worker.add_argument("--max-model-len", type=int, default=None)
+    worker.add_argument("--no-prefix-caching", action="store_true")
+    worker.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
+    worker.add_argument("--num-host-kv-blocks", type=int, default=0, help="host blocks for swap preemption")
+    worker.add_argument("--seed", type=int, default=0)
+    worker.set_defaults(func=run_worker)
+
+    router = subparsers.add_parser("router", help="place requests on workers and relay their streams")
+    _add_common(router)
+    router.add_argument("--alias", action="append", default=[], metavar="ALIAS=TARGET",
+                        help="alias for a model name or name@version (repeatable)")
+    router.add_argument("--model", action="append", default=[], metavar="NAME",
+                        help="model expected to register: its requests wait instead of MODEL_NOT_FOUND")
+    router.add_argument("--heartbeat-timeout-s", type=float, default=1.0)
+    router.add_argument("--max-queue-depth", type=int, default=1024)
+    router.add_argument("--max-queue-wait-s", type=float, default=30.0)
+    router.add_argument("--max-queued-tokens-per-worker", type=int, default=32_768)
+    router.add_argument("--max-requests-per-worker", type=int, default=256)
+    router.set_defaults(func=run_router)
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0: pick a free port and announce it")
+    parser.add_argument("--port-file", default=None, help="write the bound port here once serving")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    from flotilla.engine.config import EngineConfig
+    from flotilla.worker.config import WorkerConfig
+    from flotilla.worker.server import serve
+
+    _configure_logging(args.log_level)
+    engine = EngineConfig(
+        model_dir=args.model_dir,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        preemption_mode=args.preemption_mode,
+        num_host_kv_blocks=args.num_host_kv_blocks,
+        seed=args.seed,
+    )
+    config = WorkerConfig(
+        engine=engine,
+        host=args.host,
+        port=args.port,
+        port_file=args.port_file,
+        advertise_host=args.advertise_host,
+        worker_id=args.worker_id,
+        model_name=args.model_name,
+        router_address=args.router,
+    )
+    asyncio.run(serve(config))
+    return 0
+
+
+def run_router(args: argparse.Namespace) -> int:
+    from flotilla.router.config import RouterConfig
+    from flotilla.router.placement import PlacementLimits
+    from flotilla.router.server import serve
+
+    _configure_logging(args.log_level)
+    config = RouterConfig(
+        host=args.host,
+        port=args.port,
+        port_file=args.port_file,
+        aliases=parse_aliases(args.alias),
+        model_names=tuple(args.model),
+        heartbeat_timeout_s=args.heartbeat_timeout_s,
+        max_queue_depth=args.max_queue_depth,
+        max_queue_wait_s=args.max_queue_wait_s,
+        limits=PlacementLimits(args.max_queued_tokens_per_worker, args.max_requests_per_worker),
+    )
+    asyncio.run(serve(config))
+    return 0
+
+
+def parse_aliases(items: list[str]) -> dict[str, str]:
+    aliases = {}
+    for item in items:
+        alias, sep, target = item.partition("=")
+        if not sep or not alias or not target:
+            raise SystemExit(f"--alias expects ALIAS=TARGET, got {item!r}")
+        aliases[alias] = target
+    return aliases
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

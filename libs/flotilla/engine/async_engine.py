@@ -1,0 +1,432 @@
+"""The engine on its own thread, driven from asyncio.
+
+Engine steps block for milliseconds to seconds, so they never run on the event loop. The loop hands adds and
+aborts to the engine thread through a command list guarded by a condition; the thread applies them between
+steps and sleeps on the condition while there is nothing to do (no busy spin). Each step's outputs go back to
+the loop in one `call_soon_threadsafe` call and land in per-request asyncio queues; a consumer that finds
+several outputs waiting gets them merged into one (several tokens per gRPC message).
+
+Contract: `await generate(...)` raises InvalidRequestError / ContextLengthError in the caller before any
+token is produced, then returns a RequestStream. A stream that is closed or whose consumer is cancelled
+before the request finished aborts it in the engine at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from flotilla.engine.engine import LLMEngine
+from flotilla.engine.errors import InvalidRequestError
+from flotilla.engine.outputs import EngineStats, RequestOutput
+from flotilla.engine.request import FinishReason, Priority
+from flotilla.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+EngineFactory = Callable[[], LLMEngine]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shutdown or a failed step); no new requests are taken."""
+
+
+class EngineSnapshot(NamedTuple):
+    """Load figures taken on the engine thread after each step, read lock-free from the loop."""
+
+    stats: EngineStats
+    active_request_ids: tuple[str, ...]
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: Priority
+    cache_salt: str
+    stream: RequestStream
+    ack: asyncio.Future[None]
+
+
+@dataclass
+class _Abort:
+    request_id: str
+    ack: asyncio.Future[bool] | None = None
+
+
+_ABORTED = object()  # queue marker: the engine dropped the request (abort or shutdown)
+
+
+class AsyncEngine:
+    def __init__(self, engine_factory: EngineFactory, check_integrity_when_idle: bool = True):
+        self._factory = engine_factory
+        self._check_integrity_when_idle = check_integrity_when_idle
+        self._cond = threading.Condition()
+        self._commands: list[_Add | _Abort] = []  # guarded by _cond
+        self._stopping = False  # guarded by _cond
+        self._closed = False  # guarded by _cond: the thread has exited
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._engine: LLMEngine | None = None
+        self._snapshot: EngineSnapshot | None = None
+        self._failure: BaseException | None = None
+        self._stopped: asyncio.Future[None] | None = None
+        self._streams: dict[str, RequestStream] = {}  # loop side: open streams, for duplicate ids
+        self._active: dict[str, RequestStream] = {}  # engine-thread side: requests the engine holds
+        self.integrity_ok = True
+
+    # ---- lifecycle (loop side) ---------------------------------------------------------------------
+    async def start(self) -> None:
+        """Build the engine on its thread (model loading blocks too) and return once it is ready."""
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine already started")
+        self._loop = asyncio.get_running_loop()
+        started: asyncio.Future[None] = self._loop.create_future()
+        self._stopped = self._loop.create_future()
+        self._thread = threading.Thread(target=self._run, args=(started,), name="flotilla-engine", daemon=True)
+        self._thread.start()
+        await started
+
+    async def shutdown(self) -> None:
+        """Abort what is running, stop the thread and wait for it; open streams end with ABORT."""
+        if self._thread is None or self._stopped is None:
+            return
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        await asyncio.shield(self._stopped)
+        await asyncio.to_thread(self._thread.join)
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine, for its read-only attributes (model_config, tokenizer, max_model_len, model_version)."""
+        if self._engine is None:
+            raise RuntimeError("AsyncEngine not started")
+        return self._engine
+
+    @property
+    def is_running(self) -> bool:
+        return self._engine is not None and self._failure is None and not self._stopping
+
+    def snapshot(self) -> EngineSnapshot:
+        if self._snapshot is None:
+            raise RuntimeError("AsyncEngine not started")
+        return self._snapshot
+
+    def stats(self) -> EngineStats:
+        return self.snapshot().stats
+
+    def active_request_ids(self) -> tuple[str, ...]:
+        return self.snapshot().active_request_ids
+
+    # ---- requests (loop side) ----------------------------------------------------------------------
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        priority: Priority = Priority.INTERACTIVE,
+        cache_salt: str = "",
+    ) -> RequestStream:
+        """Add a request; raises InvalidRequestError here if the engine refuses it, else returns its stream."""
+        self._check_running()
+        if not request_id:
+            raise InvalidRequestError("request_id", "must not be empty")
+        if request_id in self._streams:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        stream = RequestStream(self, request_id, len(prompt_token_ids))
+        self._streams[request_id] = stream
+        ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._submit(_Add(request_id, list(prompt_token_ids), sampling_params, priority, cache_salt, stream, ack))
+        try:
+            await ack
+        except asyncio.CancelledError:
+            stream.close()  # the add may have gone through: abort it
+            raise
+        except BaseException:
+            self._forget(stream)
+            raise
+        return stream
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request now; its stream ends with an ABORT output. False if the engine did not hold it."""
+        self._check_running()
+        ack: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._submit(_Abort(request_id, ack))
+        return await ack
+
+    def _check_running(self) -> None:
+        if self._engine is None:
+            raise EngineDeadError("AsyncEngine not started")
+        if self._failure is not None or self._stopping:
+            raise EngineDeadError(f"engine stopped: {self._failure or 'shutdown'}")
+
+    def _submit(self, command: _Add | _Abort) -> None:
+        with self._cond:
+            if not self._closed:
+                self._commands.append(command)
+                self._cond.notify()
+                return
+        _settle(command.ack, None, EngineDeadError("engine stopped"))
+
+    def _forget(self, stream: RequestStream) -> None:
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+
+    def _abort_soon(self, request_id: str) -> None:
+        if self._failure is None and not self._stopping:
+            self._submit(_Abort(request_id))
+
+    # ---- engine thread -----------------------------------------------------------------------------
+    def _run(self, started: asyncio.Future[None]) -> None:
+        try:
+            engine = self._factory()
+        except BaseException as exc:  # report any start-up failure to start()'s caller
+            self._failure = exc
+            self._call_soon(_settle, started, None, exc)
+            self._call_soon(_settle, self._stopped, None, None)
+            return
+        self._engine = engine
+        self._take_snapshot(engine)
+        self._call_soon(_settle, started, None, None)
+        try:
+            self._serve(engine)
+        except BaseException as exc:
+            logger.exception("engine thread failed; failing every open request")
+            self._failure = exc
+            failed = list(self._active.values())
+            self._active.clear()
+            self._call_soon(_push_all, failed, EngineDeadError(f"engine failed: {exc!r}"))
+        finally:
+            with self._cond:  # whatever arrived too late is refused, so that no caller waits forever
+                self._closed = True
+                leftover, self._commands = self._commands, []
+            self._call_soon(_settle_all, [_Ack(c.ack, None, EngineDeadError("engine stopped")) for c in leftover])
+            self._call_soon(_settle, self._stopped, None, None)
+
+    def _serve(self, engine: LLMEngine) -> None:
+        needs_check = False
+        while True:
+            commands, stopping = self._next_commands(engine)
+            acks = [self._apply(engine, command) for command in commands]
+            if commands:
+                # Snapshot before acking, so that a caller whose add or abort returned sees it in stats.
+                self._take_snapshot(engine)
+                self._call_soon(_settle_all, acks)
+            if stopping:
+                self._abort_all(engine)
+                return
+            if engine.has_unfinished_requests():
+                deliveries = self._step(engine)
+                self._take_snapshot(engine)  # before the outputs: whoever saw an output sees its load too
+                if deliveries:
+                    self._call_soon(_deliver, deliveries)
+                needs_check = True
+            if needs_check and not engine.has_unfinished_requests():
+                needs_check = False
+                self._check_integrity(engine)
+
+    def _next_commands(self, engine: LLMEngine) -> tuple[list[_Add | _Abort], bool]:
+        with self._cond:
+            while not self._commands and not self._stopping and not engine.has_unfinished_requests():
+                self._cond.wait()
+            commands, self._commands = self._commands, []
+            return commands, self._stopping
+
+    def _apply(self, engine: LLMEngine, command: _Add | _Abort) -> _Ack:
+        """Apply one command; returns the answer for its waiter, sent once the snapshot is updated."""
+        if isinstance(command, _Abort):
+            stream = self._active.pop(command.request_id, None)
+            found = engine.abort(command.request_id)
+            if stream is not None:
+                self._call_soon(stream._push, _ABORTED)
+            return _Ack(command.ack, found, None)
+        try:
+            engine.add_request(
+                command.request_id,
+                command.prompt_token_ids,
+                command.sampling_params,
+                command.priority,
+                command.cache_salt,
+            )
+        except Exception as exc:  # validation errors (and bugs) go back to the caller, not the thread
+            return _Ack(command.ack, None, exc)
+        self._active[command.request_id] = command.stream
+        return _Ack(command.ack, None, None)
+
+    def _step(self, engine: LLMEngine) -> list[tuple[RequestStream, RequestOutput]]:
+        outputs = engine.step()
+        deliveries = []
+        for output in outputs:
+            stream = self._active.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._active[output.request_id]
+            deliveries.append((stream, output))
+        return deliveries
+
+    def _abort_all(self, engine: LLMEngine) -> None:
+        for request_id, stream in list(self._active.items()):
+            engine.abort(request_id)
+            self._call_soon(stream._push, _ABORTED)
+        self._active.clear()
+        self._take_snapshot(engine)
+
+    def _take_snapshot(self, engine: LLMEngine) -> None:
+        self._snapshot = EngineSnapshot(engine.stats(), tuple(self._active))
+
+    def _check_integrity(self, engine: LLMEngine) -> None:
+        if not self._check_integrity_when_idle:
+            return
+        self.integrity_ok = engine.check_integrity()
+        if not self.integrity_ok:
+            logger.error("KV block accounting is inconsistent while idle (free + cached + used != total)")
+
+    def _call_soon(self, callback: Callable[..., Any], *args: Any) -> None:
+        if self._loop is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+class RequestStream:
+    """Async iterator over one request's outputs; outputs waiting together come out merged into one."""
+
+    def __init__(self, owner: AsyncEngine, request_id: str, num_prompt_tokens: int):
+        self.request_id = request_id
+        self._owner = owner
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._done = False  # finished or closed: no more outputs
+        self._num_prompt_tokens = num_prompt_tokens
+        self._num_cached_prompt_tokens = 0
+        self._num_output_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            first = await self._queue.get()
+        except asyncio.CancelledError:
+            self.close()  # the consumer went away: abort in the engine
+            raise
+        items = [first]
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        return self._merge(items)
+
+    def close(self) -> None:
+        """Stop reading; aborts the request in the engine if it has not finished."""
+        if self._done:
+            return
+        self._done = True
+        self._owner._forget(self)
+        self._owner._abort_soon(self.request_id)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _push(self, item: Any) -> None:
+        self._queue.put_nowait(item)
+
+    def _merge(self, items: list[Any]) -> RequestOutput:
+        outputs: list[RequestOutput] = []
+        for item in items:
+            if isinstance(item, BaseException):
+                self._end()
+                raise item
+            output = self._aborted_output() if item is _ABORTED else item
+            self._num_cached_prompt_tokens = output.num_cached_prompt_tokens
+            self._num_output_tokens = output.num_output_tokens
+            outputs.append(output)
+            if output.finished:
+                self._end()
+                break
+        return merge_outputs(outputs)
+
+    def _aborted_output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=[],
+            text_delta="",
+            finished=True,
+            finish_reason=FinishReason.ABORT,
+            stop_reason=None,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_cached_prompt_tokens=self._num_cached_prompt_tokens,
+            num_output_tokens=self._num_output_tokens,
+        )
+
+    def _end(self) -> None:
+        self._done = True
+        self._owner._forget(self)
+
+
+def merge_outputs(outputs: Sequence[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one: tokens, text and logprobs joined; the rest from the last."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
+    return RequestOutput(
+        request_id=last.request_id,
+        new_token_ids=[t for o in outputs for t in o.new_token_ids],
+        text_delta="".join(o.text_delta for o in outputs),
+        finished=last.finished,
+        finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason,
+        num_prompt_tokens=last.num_prompt_tokens,
+        num_cached_prompt_tokens=last.num_cached_prompt_tokens,
+        num_output_tokens=last.num_output_tokens,
+        logprobs=[lp for o in outputs for lp in o.logprobs],
+    )
+
+
+class _Ack(NamedTuple):
+    future: asyncio.Future[Any] | None
+    result: Any
+    exc: BaseException | None
+
+
+# Loop-side callbacks scheduled from the engine thread.
+def _settle_all(acks: list[_Ack]) -> None:
+    for ack in acks:
+        _settle(*ack)
+
+
+def _settle(future: asyncio.Future[Any] | None, result: Any, exc: BaseException | None) -> None:
+    if future is None or future.done():  # a cancelled waiter no longer wants the answer
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
+def _deliver(deliveries: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, output in deliveries:
+        stream._push(output)
+
+
+def _push_all(streams: list[RequestStream], item: Any) -> None:
+    for stream in streams:
+        stream._push(item)

@@ -1,0 +1,1 @@
+"""Shared gRPC helpers: proto <-> engine conversions, channel/server options, ports."""

@@ -1,0 +1,165 @@
+"""Conversions between the gRPC messages (flotilla.common.v1) and the engine's Python types."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from flotilla.api.common.v1 import common_pb2 as pb
+from flotilla.engine.errors import ContextLengthError, InvalidRequestError
+from flotilla.engine.outputs import EngineStats, RequestOutput
+from flotilla.engine.request import FinishReason, Priority
+from flotilla.engine.sampling_params import SamplingParams
+from flotilla.engine.scheduler_output import TokenLogprobs
+
+_FINISH_REASONS = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+}
+_PRIORITIES = {
+    pb.PRIORITY_CLASS_UNSPECIFIED: Priority.INTERACTIVE,
+    pb.PRIORITY_CLASS_INTERACTIVE: Priority.INTERACTIVE,
+    pb.PRIORITY_CLASS_BATCH: Priority.BATCH,
+}
+
+
+# ---- requests --------------------------------------------------------------------------------------
+def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """Proto zero values mean 'not set': top_p 0 is read as 1. Validation is left to the engine."""
+    return SamplingParams(
+        max_tokens=msg.max_tokens,
+        temperature=float(msg.temperature),
+        top_p=float(msg.top_p) if msg.top_p > 0 else 1.0,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+    )
+
+
+def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
+    return msg
+
+
+def priority_from_proto(value: int) -> Priority:
+    if value not in _PRIORITIES:
+        raise InvalidRequestError("priority", f"unknown priority class {value}")
+    return _PRIORITIES[value]
+
+
+def priority_to_proto(priority: Priority) -> int:
+    return pb.PRIORITY_CLASS_BATCH if priority is Priority.BATCH else pb.PRIORITY_CLASS_INTERACTIVE
+
+
+def generate_request(
+    request_id: str,
+    model: str,
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    priority: Priority = Priority.INTERACTIVE,
+    cache_salt: str = "",
+    tenant_id: str = "",
+    deadline_unix_s: float = 0.0,
+) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=request_id,
+        model=model,
+        prompt_token_ids=list(prompt_token_ids),
+        sampling=sampling_params_to_proto(params),
+        priority=priority_to_proto(priority),
+        cache_salt=cache_salt,
+        tenant_id=tenant_id,
+        deadline_unix_s=deadline_unix_s,
+    )
+
+
+# ---- stream events ---------------------------------------------------------------------------------
+def chunk_response(output: RequestOutput, worker_id: str = "") -> pb.GenerateResponse | None:
+    """The tokens and text of one (possibly coalesced) output; None when it carries neither."""
+    if not output.new_token_ids and not output.text_delta:
+        return None
+    chunk = pb.TokenChunk(
+        token_ids=output.new_token_ids,
+        text=output.text_delta,
+        logprobs=logprobs_to_proto(output.new_token_ids, output.logprobs),
+    )
+    return pb.GenerateResponse(chunk=chunk, worker_id=worker_id)
+
+
+def finished_response(output: RequestOutput, worker_id: str = "") -> pb.GenerateResponse:
+    finished = pb.Finished(
+        reason=finish_reason_to_proto(output.finish_reason),
+        usage=pb.Usage(
+            prompt_tokens=output.num_prompt_tokens,
+            completion_tokens=output.num_output_tokens,
+            cached_prompt_tokens=output.num_cached_prompt_tokens,
+        ),
+    )
+    if isinstance(output.stop_reason, str):
+        finished.stop_sequence = output.stop_reason
+    elif isinstance(output.stop_reason, int):
+        finished.stop_token_id = output.stop_reason
+    return pb.GenerateResponse(finished=finished, worker_id=worker_id)
+
+
+def finish_reason_to_proto(reason: FinishReason | None) -> int:
+    return _FINISH_REASONS.get(reason, pb.FINISH_REASON_UNSPECIFIED) if reason is not None else 0
+
+
+def logprobs_to_proto(token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs]) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(
+            token_id=token_id,
+            logprob=entry.logprob,
+            top_token_ids=[t for t, _ in entry.top],
+            top_logprobs=[lp for _, lp in entry.top],
+        )
+        for token_id, entry in zip(token_ids, logprobs)
+    ]
+
+
+def error_response(code: int, message: str, field: str = "", worker_id: str = "") -> pb.GenerateResponse:
+    return pb.GenerateResponse(error=pb.Error(code=code, message=message, field=field), worker_id=worker_id)
+
+
+def invalid_request_response(exc: InvalidRequestError, worker_id: str = "") -> pb.GenerateResponse:
+    code = (
+        pb.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED
+        if isinstance(exc, ContextLengthError)
+        else pb.ERROR_CODE_INVALID_REQUEST
+    )
+    return error_response(code, exc.message, exc.field, worker_id)
+
+
+# ---- load ------------------------------------------------------------------------------------------
+def load_report(stats: EngineStats, active_request_ids: Sequence[str] = ()) -> pb.LoadReport:
+    return pb.LoadReport(
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        num_queued_tokens=stats.num_queued_tokens,
+        num_free_blocks=stats.num_free_blocks,
+        num_total_blocks=stats.num_total_blocks,
+        block_size=stats.block_size,
+        prefix_hit_rate=stats.prefix_hit_rate,
+        last_step_num_tokens=stats.last_step_num_tokens,
+        last_step_seconds=stats.last_step_seconds,
+        num_preemptions=stats.num_preemptions,
+        num_output_tokens_total=stats.num_output_tokens_total,
+        num_prompt_tokens_total=stats.num_prompt_tokens_total,
+        active_request_ids=sorted(active_request_ids),
+    )

@@ -1,0 +1,1 @@
+"""Router: worker registry, per-model admission queues, placement, and token-stream relay."""

@@ -1,0 +1,33 @@
+"""Router settings (flags of `flotilla router`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from flotilla.router.placement import PlacementLimits
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port, announced on stdout and in port_file
+    port_file: str | None = None
+    aliases: Mapping[str, str] = field(default_factory=dict)  # alias -> name or name@version
+    model_names: tuple[str, ...] = ()  # models expected before any worker registers: their requests wait
+    heartbeat_interval_s: float = 0.25
+    heartbeat_timeout_s: float = 1.0  # missing heartbeats this long: unhealthy, no new work
+    evict_after_s: float = 60.0  # silent this long: forgotten
+    max_queue_depth: int = 1024  # per model; beyond: OVERLOADED at once
+    max_queue_wait_s: float = 30.0  # a queued request gives up after this (or its deadline)
+    limits: PlacementLimits = field(default_factory=PlacementLimits)
+    shutdown_grace_s: float = 5.0
+
+    def validate(self) -> None:
+        if self.heartbeat_interval_s <= 0 or self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError("need 0 < heartbeat_interval_s < heartbeat_timeout_s")
+        if self.max_queue_depth < 0 or self.max_queue_wait_s < 0:
+            raise ValueError("max_queue_depth and max_queue_wait_s must be >= 0")
+        for alias, target in self.aliases.items():
+            if not alias or not target or alias == target:
+                raise ValueError(f"bad alias {alias!r} -> {target!r}")

@@ -1,0 +1,53 @@
+"""Placement policy, pure: which worker, if any, takes a request now. No gRPC, no clocks, no state.
+
+The router calls it with the loads of the healthy workers that serve the request's resolved model version
+(never a worker with other weights). A worker has room while its queued tokens (its last report plus what
+the router placed there since) stay under a cap; among those with room, the most headroom wins: fewest
+queued tokens, then most free KV blocks. Prefix affinity and priority classes will extend this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    worker_id: str
+    num_queued_tokens: int  # known but not yet computed tokens, incl. prompts placed since the last report
+    num_requests: int  # running + waiting, incl. requests placed since the last report
+    num_free_blocks: int
+    num_total_blocks: int
+
+
+@dataclass(frozen=True)
+class PlacementLimits:
+    max_queued_tokens_per_worker: int = 32_768
+    max_requests_per_worker: int = 256
+
+    def __post_init__(self) -> None:
+        if self.max_queued_tokens_per_worker < 1 or self.max_requests_per_worker < 1:
+            raise ValueError("placement limits must be >= 1")
+
+
+def can_admit(load: WorkerLoad, num_prompt_tokens: int, limits: PlacementLimits) -> bool:
+    if load.num_requests >= limits.max_requests_per_worker:
+        return False
+    # A worker with nothing queued takes any prompt, however long: otherwise a long prompt would never run.
+    if load.num_queued_tokens == 0:
+        return True
+    return load.num_queued_tokens + num_prompt_tokens <= limits.max_queued_tokens_per_worker
+
+
+def headroom_key(load: WorkerLoad) -> tuple[int, int, int, str]:
+    """Smaller is more headroom; the worker id breaks ties so that placement is deterministic."""
+    return (load.num_queued_tokens, -load.num_free_blocks, load.num_requests, load.worker_id)
+
+
+def choose_worker(loads: Iterable[WorkerLoad], num_prompt_tokens: int, limits: PlacementLimits) -> str | None:
+    """The id of the worker with the most headroom among those with room, or None when none has room."""
+    candidates = [load for load in loads if can_admit(load, num_prompt_tokens, limits)]
+    if not candidates:
+        return None
+    return min(candidates, key=headroom_key).worker_id

@@ -1,0 +1,198 @@
+"""Workers known to the router: their model, address, last load report and health.
+
+A worker is healthy while its heartbeats keep arriving (within `heartbeat_timeout_s`) and no call found it
+unreachable since its last heartbeat. Its load for placement is its last report plus what the router placed
+there since (reset by the next report, which then includes it).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from flotilla.api.common.v1 import common_pb2 as pb
+from flotilla.api.router.v1 import router_pb2 as rpb
+from flotilla.api.worker.v1 import worker_pb2_grpc
+from flotilla.rpc.options import aio_channel
+from flotilla.router.models import ModelVersionRef
+from flotilla.router.placement import WorkerLoad
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class WorkerEntry:
+    info: rpb.WorkerInfo
+    channel: grpc.aio.Channel
+    stub: worker_pb2_grpc.WorkerServiceStub
+    registered_at: float
+    last_heartbeat: float
+    report: pb.LoadReport = field(default_factory=pb.LoadReport)
+    num_placed_requests: int = 0  # since the last report
+    num_placed_tokens: int = 0
+    failed: bool = False  # a call found it unreachable; cleared by its next heartbeat
+    num_inflight: int = 0  # streams relayed through its channel right now
+    was_healthy: bool = True  # for logging health transitions once
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def model_name(self) -> str:
+        return self.info.model.name
+
+    @property
+    def version(self) -> str:
+        return self.info.model.version
+
+
+class WorkerRegistry:
+    def __init__(
+        self,
+        heartbeat_timeout_s: float = 1.0,
+        evict_after_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+        channel_factory: Callable[[str], grpc.aio.Channel] = aio_channel,
+    ):
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.evict_after_s = evict_after_s
+        self._clock = clock
+        self._channel_factory = channel_factory
+        self._workers: dict[str, WorkerEntry] = {}
+        # Replaced or removed workers whose channels sweep() closes once their relayed streams ended
+        # (a worker that deregisters to drain still finishes its streams).
+        self._closing: list[WorkerEntry] = []
+
+    # ---- membership --------------------------------------------------------------------------------
+    def register(self, info: rpb.WorkerInfo) -> WorkerEntry:
+        """Add a worker, or replace one with the same id (a restart may bring other weights or a port)."""
+        old = self._workers.get(info.worker_id)
+        now = self._clock()
+        if old is not None and old.info.address == info.address:
+            channel, stub = old.channel, old.stub
+        else:
+            if old is not None:
+                self._closing.append(old)
+            channel = self._channel_factory(info.address)
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        entry = WorkerEntry(rpb.WorkerInfo(), channel, stub, registered_at=now, last_heartbeat=now)
+        entry.info.CopyFrom(info)
+        if old is not None and old.channel is channel:
+            entry.num_inflight = old.num_inflight
+        self._workers[info.worker_id] = entry
+        logger.info("worker %s registered: %s@%s at %s", info.worker_id, entry.model_name, entry.version,
+                    info.address)
+        return entry
+
+    def heartbeat(self, worker_id: str, report: pb.LoadReport) -> bool:
+        """Record a load report; False when the worker is unknown (it must register again)."""
+        entry = self._workers.get(worker_id)
+        if entry is None:
+            return False
+        entry.report.CopyFrom(report)
+        entry.last_heartbeat = self._clock()
+        entry.num_placed_requests = entry.num_placed_tokens = 0
+        entry.failed = False
+        return True
+
+    def deregister(self, worker_id: str) -> bool:
+        entry = self._workers.pop(worker_id, None)
+        if entry is None:
+            return False
+        self._closing.append(entry)
+        logger.info("worker %s deregistered", worker_id)
+        return True
+
+    def get(self, worker_id: str) -> WorkerEntry | None:
+        return self._workers.get(worker_id)
+
+    def workers(self) -> list[WorkerEntry]:
+        return list(self._workers.values())
+
+    # ---- health ------------------------------------------------------------------------------------
+    def is_healthy(self, entry: WorkerEntry) -> bool:
+        return not entry.failed and self._clock() - entry.last_heartbeat <= self.heartbeat_timeout_s
+
+    def mark_failed(self, worker_id: str) -> None:
+        entry = self._workers.get(worker_id)
+        if entry is not None and not entry.failed:
+            entry.failed = True
+            logger.warning("worker %s unreachable: no new work until its next heartbeat", worker_id)
+
+    async def sweep(self) -> None:
+        """Log health transitions, evict workers silent for evict_after_s, close channels no longer used."""
+        now = self._clock()
+        for entry in list(self._workers.values()):
+            healthy = self.is_healthy(entry)
+            if healthy != entry.was_healthy:
+                entry.was_healthy = healthy
+                logger.warning("worker %s is %s", entry.worker_id, "healthy again" if healthy else "unhealthy")
+            if now - entry.last_heartbeat > self.evict_after_s:
+                self.deregister(entry.worker_id)
+        idle = [entry for entry in self._closing if entry.num_inflight == 0]
+        self._closing = [entry for entry in self._closing if entry.num_inflight > 0]
+        for entry in idle:
+            await entry.channel.close()
+
+    async def close(self) -> None:
+        for worker_id in list(self._workers):
+            self.deregister(worker_id)
+        for entry in self._closing:
+            await entry.channel.close()
+        self._closing = []
+
+    # ---- placement inputs --------------------------------------------------------------------------
+    def healthy_workers(self, name: str, version: str) -> list[WorkerEntry]:
+        return [
+            e for e in self._workers.values()
+            if e.model_name == name and e.version == version and self.is_healthy(e)
+        ]
+
+    def has_healthy_worker(self, name: str) -> bool:
+        return any(e.model_name == name and self.is_healthy(e) for e in self._workers.values())
+
+    def record_placement(self, entry: WorkerEntry, num_prompt_tokens: int) -> None:
+        entry.num_placed_requests += 1
+        entry.num_placed_tokens += num_prompt_tokens
+
+    def load_of(self, entry: WorkerEntry) -> WorkerLoad:
+        report = entry.report
+        block_size = report.block_size or 1
+        num_placed_blocks = math.ceil(entry.num_placed_tokens / block_size)
+        return WorkerLoad(
+            worker_id=entry.worker_id,
+            num_queued_tokens=report.num_queued_tokens + entry.num_placed_tokens,
+            num_requests=report.num_running + report.num_waiting + entry.num_placed_requests,
+            num_free_blocks=max(0, report.num_free_blocks - num_placed_blocks),
+            num_total_blocks=report.num_total_blocks,
+        )
+
+    def model_versions(self) -> list[ModelVersionRef]:
+        refs: dict[tuple[str, str], ModelVersionRef] = {}
+        for entry in self._workers.values():
+            key = (entry.model_name, entry.version)
+            old = refs.get(key)
+            healthy = self.is_healthy(entry) or (old is not None and old.has_healthy_worker)
+            first = min(entry.registered_at, old.first_registered) if old is not None else entry.registered_at
+            refs[key] = ModelVersionRef(entry.model_name, entry.version, first, healthy)
+        return list(refs.values())
+
+    def model_info(self, name: str, version: str) -> pb.ModelInfo | None:
+        for entry in self._workers.values():
+            if entry.model_name == name and entry.version == version:
+                return entry.info.model
+        return None
+
+    def status(self, entry: WorkerEntry) -> rpb.WorkerStatus:
+        return rpb.WorkerStatus(
+            worker=entry.info,
+            healthy=self.is_healthy(entry),
+            load=entry.report,
+            seconds_since_heartbeat=self._clock() - entry.last_heartbeat,
+        )

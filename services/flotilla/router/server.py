@@ -1,0 +1,61 @@
+"""Router process wiring: gRPC server, the health sweeper, graceful stop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from flotilla.api.router.v1 import router_pb2_grpc
+from flotilla.router.admission import Admission
+from flotilla.router.config import RouterConfig
+from flotilla.router.models import expected_names
+from flotilla.router.registry import WorkerRegistry
+from flotilla.router.service import RouterService
+from flotilla.rpc.options import aio_server, bind
+from flotilla.rpc.serving import announce, stop_on_signals
+
+logger = logging.getLogger(__name__)
+
+
+async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None:
+    """Run the router until `stop` is set (or SIGTERM/SIGINT when no event is given)."""
+    config.validate()
+    if stop is None:
+        stop = asyncio.Event()
+        stop_on_signals(stop)
+    registry = WorkerRegistry(config.heartbeat_timeout_s, config.evict_after_s)
+    admission = Admission(
+        registry,
+        config.aliases,
+        expected_names(config.model_names, config.aliases),
+        config.limits,
+        config.max_queue_depth,
+        config.max_queue_wait_s,
+    )
+    server = aio_server()
+    router_pb2_grpc.add_RouterServiceServicer_to_server(
+        RouterService(registry, admission, dict(config.aliases), config.heartbeat_interval_s), server
+    )
+    port = bind(server, config.host, config.port)
+    await server.start()
+    sweeper = asyncio.create_task(_sweep_forever(registry, config.heartbeat_timeout_s / 4))
+    announce("router", config.host, port, config.port_file)
+    try:
+        await stop.wait()
+    finally:
+        logger.info("router stopping")
+        sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sweeper
+        await server.stop(config.shutdown_grace_s)
+        await registry.close()
+
+
+async def _sweep_forever(registry: WorkerRegistry, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)  # a periodic timer, not a wait for something
+        try:
+            await registry.sweep()
+        except Exception:
+            logger.exception("registry sweep failed")

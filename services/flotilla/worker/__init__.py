@@ -1,0 +1,1 @@
+"""Worker: one model version's engine behind WorkerService, registered with the router."""

@@ -1,0 +1,29 @@
+"""Worker settings (flags of `flotilla worker`)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from flotilla.engine.config import EngineConfig
+
+
+@dataclass
+class WorkerConfig:
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port, announced on stdout and in port_file
+    port_file: str | None = None
+    advertise_host: str | None = None  # the host the router dials; defaults to `host`
+    worker_id: str = ""  # default: worker-<random>
+    model_name: str = ""  # default: the checkpoint directory's name
+    router_address: str | None = None  # host:port; None = serve alone, unregistered
+    heartbeat_interval_s: float = 0.25  # until the router says otherwise
+    shutdown_grace_s: float = 5.0  # streams still running after this are aborted
+
+    def resolved_worker_id(self) -> str:
+        return self.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
+
+    def resolved_model_name(self) -> str:
+        return self.model_name or Path(self.engine.model_dir).resolve().name

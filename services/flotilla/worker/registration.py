@@ -1,0 +1,86 @@
+"""Keeps a worker registered with the router: register, heartbeat with a LoadReport every interval,
+register again when the router says it does not know us (it restarted or dropped us), deregister on stop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from flotilla.api.common.v1 import common_pb2 as pb
+from flotilla.api.router.v1 import router_pb2 as rpb
+from flotilla.api.router.v1 import router_pb2_grpc
+from flotilla.rpc.options import aio_channel
+
+logger = logging.getLogger(__name__)
+
+CALL_TIMEOUT_S = 2.0
+
+
+class RouterLink:
+    def __init__(
+        self,
+        router_address: str,
+        worker: rpb.WorkerInfo,
+        current_load: Callable[[], pb.LoadReport],
+        heartbeat_interval_s: float = 0.25,
+    ):
+        self._channel = aio_channel(router_address)
+        self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
+        self._worker = worker
+        self._current_load = current_load
+        self._interval_s = heartbeat_interval_s
+        self._registered = False
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        """Stop heartbeating and leave the router (best effort: it drops us after missed heartbeats anyway)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self._stub.DeregisterWorker(
+                rpb.DeregisterWorkerRequest(worker_id=self._worker.worker_id), timeout=CALL_TIMEOUT_S
+            )
+        await self._channel.close()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._tick()
+            except grpc.aio.AioRpcError as exc:  # router down or restarting: keep trying
+                logger.debug("router call failed: %s", exc.code())
+            await asyncio.sleep(self._interval_s)  # a periodic timer, not a wait for something
+
+    async def _tick(self) -> None:
+        if self._registered:
+            response = await self._stub.Heartbeat(
+                rpb.HeartbeatRequest(worker_id=self._worker.worker_id, load=self._current_load()),
+                timeout=CALL_TIMEOUT_S,
+            )
+            if response.known:
+                return
+            logger.info("router does not know this worker any more; registering again")
+            self._registered = False
+        await self._register()
+
+    async def _register(self) -> None:
+        response = await self._stub.RegisterWorker(
+            rpb.RegisterWorkerRequest(worker=self._worker), timeout=CALL_TIMEOUT_S
+        )
+        if response.heartbeat_interval_ms > 0:
+            self._interval_s = response.heartbeat_interval_ms / 1000
+        self._registered = True
+        logger.info("registered with the router as %s", self._worker.worker_id)
+        # Report load at once, so that the router does not wait an interval to place work here.
+        await self._stub.Heartbeat(
+            rpb.HeartbeatRequest(worker_id=self._worker.worker_id, load=self._current_load()),
+            timeout=CALL_TIMEOUT_S,
+        )

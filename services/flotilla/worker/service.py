@@ -1,0 +1,101 @@
+"""WorkerService handlers: Generate streams coalesced TokenChunks then Finished; errors are events."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from flotilla.api.common.v1 import common_pb2 as pb
+from flotilla.api.worker.v1 import worker_pb2 as wpb
+from flotilla.api.worker.v1 import worker_pb2_grpc
+from flotilla.engine.async_engine import AsyncEngine, EngineDeadError
+from flotilla.engine.errors import InvalidRequestError
+from flotilla.engine.outputs import RequestOutput
+from flotilla.rpc.convert import (
+    chunk_response,
+    error_response,
+    finished_response,
+    invalid_request_response,
+    load_report,
+    priority_from_proto,
+    sampling_params_from_proto,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def model_info(engine: AsyncEngine, name: str) -> pb.ModelInfo:
+    llm = engine.engine
+    return pb.ModelInfo(
+        name=name,
+        version=llm.model_version,
+        max_model_len=llm.max_model_len,
+        checkpoint_path=str(llm.config.model_dir),
+    )
+
+
+class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
+    def __init__(self, engine: AsyncEngine, worker_id: str, model: pb.ModelInfo):
+        self._engine = engine
+        self.worker_id = worker_id
+        self.model = model
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        if not self._serves(request.model):
+            message = f"this worker serves {self.model.name}@{self.model.version}, not {request.model}"
+            await context.write(error_response(pb.ERROR_CODE_MODEL_NOT_FOUND, message, "model", self.worker_id))
+            return
+        try:
+            stream = await self._engine.generate(
+                request.request_id,
+                list(request.prompt_token_ids),
+                sampling_params_from_proto(request.sampling),
+                priority_from_proto(request.priority),
+                request.cache_salt,
+            )
+        except InvalidRequestError as exc:
+            await context.write(invalid_request_response(exc, self.worker_id))
+            return
+        except EngineDeadError as exc:
+            await context.write(error_response(pb.ERROR_CODE_UNAVAILABLE, str(exc), worker_id=self.worker_id))
+            return
+        # A cancelled RPC (the caller went away, or its deadline passed) raises CancelledError at an await
+        # below; closing the stream then aborts the request in the engine.
+        try:
+            async for output in stream:
+                await self._write(context, output)
+        except EngineDeadError as exc:
+            await context.write(error_response(pb.ERROR_CODE_INTERNAL, str(exc), worker_id=self.worker_id))
+        finally:
+            stream.close()
+
+    def _serves(self, requested: str) -> bool:
+        """The router sends name@version; a mismatch means this address now holds other weights."""
+        name, sep, version = requested.partition("@")
+        return not sep or (name == self.model.name and version == self.model.version)
+
+    async def _write(self, context: grpc.aio.ServicerContext, output: RequestOutput) -> None:
+        chunk = chunk_response(output, self.worker_id)
+        if chunk is not None:
+            await context.write(chunk)
+        if output.finished:
+            await context.write(finished_response(output, self.worker_id))
+
+    async def Abort(self, request: wpb.AbortRequest, context: grpc.aio.ServicerContext) -> wpb.AbortResponse:
+        try:
+            found = await self._engine.abort(request.request_id)
+        except EngineDeadError:
+            found = False
+        return wpb.AbortResponse(found=found)
+
+    async def Health(self, request: wpb.HealthRequest, context: grpc.aio.ServicerContext) -> wpb.HealthResponse:
+        return wpb.HealthResponse(ready=self._engine.is_running, worker_id=self.worker_id, model=self.model)
+
+    async def GetLoad(self, request: wpb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReport:
+        return current_load(self._engine)
+
+
+def current_load(engine: AsyncEngine) -> pb.LoadReport:
+    snapshot = engine.snapshot()
+    return load_report(snapshot.stats, snapshot.active_request_ids)

@@ -1,0 +1,142 @@
+"""Router admission: model resolution, placement on the right weights, the bounded per-model queue, health."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from flotilla.api.common.v1 import common_pb2 as pb
+from flotilla.api.router.v1 import router_pb2 as rpb
+from flotilla.router.admission import Admission, RouterError
+from flotilla.router.placement import PlacementLimits
+from flotilla.router.registry import WorkerRegistry
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(expected=("tiny",), max_requests=4, max_queue_depth=8, max_wait_s=30.0, aliases=None):
+    clock = Clock()
+    # Channels to a closed port: created lazily, never dialled by these tests.
+    registry = WorkerRegistry(heartbeat_timeout_s=1.0, clock=clock,
+                              channel_factory=lambda address: grpc.aio.insecure_channel(address))
+    admission = Admission(registry, aliases or {}, expected, PlacementLimits(32_768, max_requests),
+                          max_queue_depth, max_wait_s)
+    return registry, admission, clock
+
+
+def register(registry, worker_id, name="tiny", version="v1", running=0, free=64, queued=0):
+    model = pb.ModelInfo(name=name, version=version, max_model_len=2048)
+    registry.register(rpb.WorkerInfo(worker_id=worker_id, address="127.0.0.1:9", model=model))
+    report(registry, worker_id, running=running, free=free, queued=queued)
+
+
+def report(registry, worker_id, running=0, free=64, queued=0):
+    load = pb.LoadReport(num_running=running, num_free_blocks=free, num_total_blocks=64, block_size=16,
+                         num_queued_tokens=queued)
+    assert registry.heartbeat(worker_id, load)
+
+
+async def test_unknown_model_is_not_found():
+    _, admission, _ = make()
+    with pytest.raises(RouterError) as error:
+        await admission.acquire("nope", 5)
+    assert error.value.code == pb.ERROR_CODE_MODEL_NOT_FOUND and error.value.field == "model"
+
+
+async def test_request_waits_for_a_worker_to_register():
+    registry, admission, _ = make()
+    task = asyncio.create_task(admission.acquire("tiny", 5))
+    await asyncio.sleep(0)  # let it queue
+    assert admission.queue_depth("tiny") == 1 and not task.done()
+    register(registry, "w1")
+    admission.dispatch()
+    placement = await task
+    assert placement.worker.worker_id == "w1" and placement.resolution.qualified == "tiny@v1"
+    assert admission.queue_depth("tiny") == 0
+
+
+async def test_never_placed_on_other_weights():
+    registry, admission, clock = make()
+    register(registry, "old", version="v1", running=3, queued=500)
+    clock.now += 0.1
+    register(registry, "new", version="v2")
+    register(registry, "same-weights-other-name", name="spare", version="v1")
+    assert (await admission.acquire("tiny@v1", 5)).worker.worker_id == "old"  # busier, but the right weights
+    assert (await admission.acquire("tiny", 5)).worker.worker_id == "new"  # bare name: newest version
+
+
+async def test_most_headroom_wins_and_placements_count_until_the_next_report():
+    registry, admission, _ = make()
+    register(registry, "a")
+    register(registry, "b")
+    first = (await admission.acquire("tiny", 100)).worker.worker_id
+    second = (await admission.acquire("tiny", 100)).worker.worker_id
+    assert {first, second} == {"a", "b"}  # the first placement made `first` look busier
+
+
+async def test_busy_workers_queue_then_a_heartbeat_dispatches_in_order():
+    registry, admission, _ = make(max_requests=1)
+    register(registry, "w1")
+    assert (await admission.acquire("tiny", 5)).worker.worker_id == "w1"
+    waiting = [asyncio.create_task(admission.acquire("tiny", n)) for n in (6, 7)]
+    await asyncio.sleep(0)
+    assert admission.queue_depth("tiny") == 2
+    report(registry, "w1", running=0)  # the first request finished
+    admission.dispatch()
+    assert (await waiting[0]).worker.worker_id == "w1"
+    assert not waiting[1].done() and admission.queue_depth("tiny") == 1  # w1 is full again
+    report(registry, "w1", running=0)
+    admission.dispatch()
+    assert (await waiting[1]).worker.worker_id == "w1"
+
+
+async def test_full_queue_is_overloaded_at_once():
+    registry, admission, _ = make(max_requests=1, max_queue_depth=1)
+    register(registry, "w1", running=1)
+    queued = asyncio.create_task(admission.acquire("tiny", 5))
+    await asyncio.sleep(0)
+    with pytest.raises(RouterError) as error:
+        await admission.acquire("tiny", 5)
+    assert error.value.code == pb.ERROR_CODE_OVERLOADED
+    queued.cancel()
+
+
+async def test_wait_budget_ends_in_unavailable_or_overloaded():
+    registry, admission, _ = make(max_requests=1, max_wait_s=0.05)
+    with pytest.raises(RouterError) as nobody:
+        await admission.acquire("tiny", 5)
+    assert nobody.value.code == pb.ERROR_CODE_UNAVAILABLE
+    register(registry, "w1", running=1)
+    with pytest.raises(RouterError) as busy:
+        await admission.acquire("tiny", 5)
+    assert busy.value.code == pb.ERROR_CODE_OVERLOADED
+    assert admission.queue_depth("tiny") == 0
+
+
+async def test_missed_heartbeats_make_a_worker_unhealthy_and_a_heartbeat_heals_it():
+    registry, admission, clock = make(max_wait_s=0.0)
+    register(registry, "w1")
+    clock.now += 1.5
+    assert registry.healthy_workers("tiny", "v1") == []
+    with pytest.raises(RouterError) as error:
+        await admission.acquire("tiny", 5)
+    assert error.value.code == pb.ERROR_CODE_UNAVAILABLE
+    report(registry, "w1")
+    assert [w.worker_id for w in registry.healthy_workers("tiny", "v1")] == ["w1"]
+    registry.mark_failed("w1")  # a call could not reach it
+    assert registry.healthy_workers("tiny", "v1") == []
+    assert registry.heartbeat("ghost", pb.LoadReport()) is False  # unknown: told to register again
+
+
+async def test_aliases_resolve_before_placement():
+    registry, admission, _ = make(expected=(), aliases={"default": "tiny"})
+    register(registry, "w1")
+    assert (await admission.acquire("default", 5)).resolution.qualified == "tiny@v1"
