@@ -1,0 +1,82 @@
+"""vLLM's CPU build as a further baseline, run offline in its own interpreter (its own venv) on the same
+requests. Only `generate` is timed, inside that process; the result comes back as one JSON line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+from loadtest.common.engine_workload import Workload
+from loadtest.common.throughput import Throughput
+
+# Runs under vLLM's interpreter: argv[1] is a JSON file with model_dir, prompts, max_tokens.
+VLLM_SCRIPT = '''
+import json, sys, time
+
+import vllm
+from vllm import LLM, SamplingParams
+
+spec = json.load(open(sys.argv[1]))
+llm = LLM(model=spec["model_dir"], dtype="float32", seed=0, max_model_len=spec["max_model_len"])
+params = [SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0) for n in spec["max_tokens"]]
+prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
+llm.generate(prompts[:1], [SamplingParams(max_tokens=2, temperature=0)], use_tqdm=False)  # warm-up
+started = time.perf_counter()
+outputs = llm.generate(prompts, params, use_tqdm=False)
+seconds = time.perf_counter() - started
+produced = [len(o.outputs[0].token_ids) for o in outputs]
+print(json.dumps({"seconds": seconds, "produced": produced, "vllm_version": vllm.__version__}), flush=True)
+'''
+
+
+class VllmOutcome(NamedTuple):
+    throughput: Throughput | None
+    skipped_reason: str | None  # set when vLLM did not run or failed
+
+
+def vllm_env(num_threads: int, kv_cache_gib: int) -> dict[str, str]:
+    """The CPU build's settings: one OpenMP thread bound per core, like --threads for the other systems,
+    and the KV cache size in GiB. Values already in the environment win."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{num_threads - 1}" if num_threads > 1 else "0")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+    return env
+
+
+def run_vllm(
+    python: str, model_dir: str, workload: Workload, num_threads: int, kv_cache_gib: int, timeout_s: float
+) -> VllmOutcome:
+    if not (Path(python).is_file() and os.access(python, os.X_OK)):
+        return VllmOutcome(None, f"interpreter {python} not found or not executable")
+    max_model_len = max(len(p) + n for p, n in zip(workload.prompts, workload.max_tokens))
+    spec = {"model_dir": model_dir, "prompts": workload.prompts, "max_tokens": workload.max_tokens,
+            "max_model_len": max_model_len}
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
+        script, spec_path = Path(tmp) / "run_vllm.py", Path(tmp) / "spec.json"
+        script.write_text(VLLM_SCRIPT)
+        spec_path.write_text(json.dumps(spec))
+        try:
+            done = subprocess.run(
+                [python, str(script), str(spec_path)], env=vllm_env(num_threads, kv_cache_gib),
+                capture_output=True, text=True, timeout=timeout_s,
+            )
+        except subprocess.TimeoutExpired:
+            return VllmOutcome(None, f"vLLM did not finish within {timeout_s:.0f} s")
+    return _parse(done, workload)
+
+
+def _parse(done: subprocess.CompletedProcess[str], workload: Workload) -> VllmOutcome:
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
+        return VllmOutcome(None, f"vLLM exited with {done.returncode}: " + " | ".join(tail))
+    result = json.loads(lines[-1])
+    if result["produced"] != workload.max_tokens:
+        return VllmOutcome(None, "vLLM produced other lengths than the forced ones")
+    note = f"vllm {result['vllm_version']}"
+    return VllmOutcome(Throughput("vllm-cpu", sum(result["produced"]), result["seconds"],
+                                  workload.num_requests, note), None)

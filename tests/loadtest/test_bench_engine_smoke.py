@@ -1,0 +1,98 @@
+"""The engine benchmark runs end to end with tiny settings and ends with one parseable JSON line. No timing
+is asserted: only that every system ran, the token counts add up, and the vLLM path parses its child's output
+(a stand-in `vllm` module here: the real CPU build is not installed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flotilla.models.checkpoint import write_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "loadtest" / "bench_engine.py"
+TINY = ["--num-requests", "4", "--prompt-len", "8", "16", "--output-len", "3", "6", "--gemm-size", "128",
+        "--threads", "1"]
+
+# Mimics the slice of vLLM's offline API that the benchmark's child script uses.
+FAKE_VLLM = '''
+__version__ = "0.0-fake"
+
+class SamplingParams:
+    def __init__(self, max_tokens, min_tokens=0, ignore_eos=False, temperature=1.0):
+        self.max_tokens = max_tokens
+
+class _Completion:
+    def __init__(self, n):
+        self.token_ids = [5] * n
+
+class _Output:
+    def __init__(self, n):
+        self.outputs = [_Completion(n)]
+
+class LLM:
+    def __init__(self, model, dtype, **kwargs):
+        assert dtype == "float32"
+
+    def generate(self, prompts, params, use_tqdm=True):
+        assert all("prompt_token_ids" in p for p in prompts)
+        return [_Output(p.max_tokens) for p in params]
+'''
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(write_checkpoint(tmp_path_factory.mktemp("bench-tiny"), size="tiny", seed=0))
+
+
+def _run(args: list[str], env: dict[str, str] | None = None) -> tuple[dict, str]:
+    done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    last_line = done.stdout.strip().splitlines()[-1]
+    return json.loads(last_line), done.stdout
+
+
+def test_throughput_run_reports_every_system(model_dir, tmp_path):
+    fake = tmp_path / "fake_site"
+    (fake / "vllm").mkdir(parents=True)
+    (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")])}
+    args = [*TINY, "--model-dir", model_dir, "--transformers-sample", "2", "--transformers-batch-size", "2",
+            "--compare-vllm", sys.executable]
+    summary, stdout = _run(args, env)
+    assert summary["mode"] == "throughput" and summary["num_requests"] == 4
+    assert 4 * 8 <= summary["prompt_tokens"] <= 4 * 16 and 4 * 3 <= summary["output_tokens"] <= 4 * 6
+    for key in ("engine_tok_s", "transformers_1_tok_s", "transformers_batch_tok_s", "vllm_tok_s", "floor_tok_s"):
+        assert summary[key] > 0, key
+    assert summary["transformers_1_is_sample"] and summary["transformers_1_requests_timed"] == 2
+    assert summary["engine_over_transformers_batch"] is not None and summary["engine_over_vllm"] is not None
+    assert summary["vllm_skipped_reason"] is None and summary["threads"] == 1
+    assert summary["num_parameters"] == 5_048_576  # tiny, tied: the vocabulary matrix counted once
+    assert "sample of 2 of 4 requests" in stdout
+
+
+def test_missing_vllm_interpreter_is_skipped_and_transformers_can_be_skipped(tmp_path):
+    # Untied: embedding and lm_head both stored, the vocabulary matrix still counted once (only lm_head
+    # does a matmul), so the count equals the tied checkpoint's.
+    untied = str(write_checkpoint(tmp_path / "untied", size="tiny", seed=0, tie_word_embeddings=False))
+    args = [*TINY, "--model-dir", untied, "--skip-transformers-single", "--skip-transformers-batch",
+            "--compare-vllm", str(tmp_path / "no-such-python")]
+    summary, stdout = _run(args)
+    assert summary["vllm_tok_s"] is None and "not found" in summary["vllm_skipped_reason"]
+    assert summary["transformers_1_tok_s"] is None and summary["engine_over_transformers_1"] is None
+    assert summary["engine_tok_s"] > 0 and "not found" in stdout
+    assert summary["num_parameters"] == 5_048_576
+
+
+def test_memory_check_reports_rss_per_wave(model_dir):
+    summary, stdout = _run(["--model-dir", model_dir, "--memory-check", "6", "--wave-size", "2", "--threads", "1"])
+    assert summary["mode"] == "memory_check" and len(summary["rss_kib"]) == 3
+    assert all(rss > 0 for rss in summary["rss_kib"]) and summary["kv_blocks_all_free"] is True
+    assert isinstance(summary["grew_over_5pct"], bool)
+    assert stdout.count("RSS") >= 3
