@@ -25,6 +25,11 @@ class ServiceProcess:
     port_file: Path
     env: dict[str, str] = field(default_factory=dict)
     popen: subprocess.Popen | None = None
+    port: int | None = None  # known once wait_port returned
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
 
     def start(self) -> None:
         self.port_file.unlink(missing_ok=True)
@@ -53,6 +58,7 @@ class ServiceProcess:
         while time.monotonic() < deadline:
             port = read_port_file(self.port_file)
             if port is not None:
+                self.port = port
                 return port
             if not self.is_running():
                 raise ProcessFailed(f"{self.name} exited with {self.popen.returncode}:\n{self.log_tail()}")
