@@ -75,6 +75,10 @@ class Admission:
     def queue_depth(self, name: str) -> int:
         return len(self._queues.get(name, ()))
 
+    def queued_tokens(self, name: str) -> int:
+        """Prompt tokens waiting in this model's queue (autoscaler signal)."""
+        return sum(w.num_prompt_tokens for w in self._queues.get(name, ()) if not w.future.done())
+
     async def acquire(self, requested: str, num_prompt_tokens: int, deadline_unix_s: float = 0.0) -> Placement:
         """A worker for this request, now or after queueing; raises RouterError."""
         resolution = self.resolve(requested)

@@ -38,6 +38,7 @@ class WorkerEntry:
     failed: bool = False  # a call found it unreachable; cleared by its next heartbeat
     num_inflight: int = 0  # streams relayed through its channel right now
     was_healthy: bool = True  # for logging health transitions once
+    state: int = rpb.WORKER_STATE_ACTIVE  # warm and draining workers get no new work (autoscaler)
 
     @property
     def worker_id(self) -> str:
@@ -68,6 +69,8 @@ class WorkerRegistry:
         # Replaced or removed workers whose channels sweep() closes once their relayed streams ended
         # (a worker that deregisters to drain still finishes its streams).
         self._closing: list[WorkerEntry] = []
+        # States set (SetWorkerState) for workers not registered yet: worker id -> (state, set at).
+        self._pending_states: dict[str, tuple[int, float]] = {}
 
     # ---- membership --------------------------------------------------------------------------------
     def register(self, info: rpb.WorkerInfo) -> WorkerEntry:
@@ -85,6 +88,11 @@ class WorkerRegistry:
         entry.info.CopyFrom(info)
         if old is not None and old.channel is channel:
             entry.num_inflight = old.num_inflight
+        pending = self._pending_states.pop(info.worker_id, None)
+        if old is not None:
+            entry.state = old.state
+        elif pending is not None:
+            entry.state = pending[0]
         self._workers[info.worker_id] = entry
         logger.info("worker %s registered: %s@%s at %s", info.worker_id, entry.model_name, entry.version,
                     info.address)
@@ -108,6 +116,19 @@ class WorkerRegistry:
         self._closing.append(entry)
         logger.info("worker %s deregistered", worker_id)
         return True
+
+    def set_state(self, worker_id: str, state: int) -> tuple[bool, int]:
+        """Put a worker in or out of rotation; (registered, previous state). For an unknown id the state is
+        kept until it registers (evicted with it after evict_after_s)."""
+        entry = self._workers.get(worker_id)
+        if entry is None:
+            previous = self._pending_states.get(worker_id, (rpb.WORKER_STATE_UNSPECIFIED, 0.0))[0]
+            self._pending_states[worker_id] = (state, self._clock())
+            return False, previous
+        previous, entry.state = entry.state, state
+        if previous != state:
+            logger.info("worker %s: %s -> %s", worker_id, rpb.WorkerState.Name(previous), rpb.WorkerState.Name(state))
+        return True, previous
 
     def get(self, worker_id: str) -> WorkerEntry | None:
         return self._workers.get(worker_id)
@@ -135,6 +156,10 @@ class WorkerRegistry:
                 logger.warning("worker %s is %s", entry.worker_id, "healthy again" if healthy else "unhealthy")
             if now - entry.last_heartbeat > self.evict_after_s:
                 self.deregister(entry.worker_id)
+        self._pending_states = {
+            worker_id: pending for worker_id, pending in self._pending_states.items()
+            if now - pending[1] <= self.evict_after_s
+        }
         idle = [entry for entry in self._closing if entry.num_inflight == 0]
         self._closing = [entry for entry in self._closing if entry.num_inflight > 0]
         for entry in idle:
@@ -152,6 +177,7 @@ class WorkerRegistry:
         return [
             e for e in self._workers.values()
             if e.model_name == name and e.version == version and self.is_healthy(e)
+            and e.state == rpb.WORKER_STATE_ACTIVE
         ]
 
     def has_healthy_worker(self, name: str) -> bool:
@@ -195,4 +221,6 @@ class WorkerRegistry:
             healthy=self.is_healthy(entry),
             load=entry.report,
             seconds_since_heartbeat=self._clock() - entry.last_heartbeat,
+            state=entry.state,
+            num_inflight=entry.num_inflight,
         )

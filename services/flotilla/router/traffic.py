@@ -1,0 +1,68 @@
+"""Recent traffic per model for the autoscaler: TTFT samples and the prompt/output token mix over a
+sliding window (router-measured: time from Generate arrival to the first relayed token)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+MAX_WINDOW_S = 300.0  # samples older than this are dropped whatever window is asked for
+
+
+@dataclass(frozen=True)
+class TrafficSnapshot:
+    ttft_p95_s: float
+    num_ttft_samples: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass
+class _ModelTraffic:
+    ttfts: deque[tuple[float, float]] = field(default_factory=deque)  # (at, seconds)
+    prompt_tokens: deque[tuple[float, int]] = field(default_factory=deque)
+    output_tokens: deque[tuple[float, int]] = field(default_factory=deque)
+
+
+class TrafficWindow:
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._models: dict[str, _ModelTraffic] = {}
+
+    def _model(self, name: str) -> _ModelTraffic:
+        traffic = self._models.setdefault(name, _ModelTraffic())
+        horizon = self._clock() - MAX_WINDOW_S
+        for samples in (traffic.ttfts, traffic.prompt_tokens, traffic.output_tokens):
+            while samples and samples[0][0] < horizon:
+                samples.popleft()
+        return traffic
+
+    def record_ttft(self, model: str, seconds: float) -> None:
+        self._model(model).ttfts.append((self._clock(), seconds))
+
+    def record_prompt(self, model: str, num_tokens: int) -> None:
+        self._model(model).prompt_tokens.append((self._clock(), num_tokens))
+
+    def record_output(self, model: str, num_tokens: int) -> None:
+        if num_tokens:
+            self._model(model).output_tokens.append((self._clock(), num_tokens))
+
+    def snapshot(self, model: str, window_s: float) -> TrafficSnapshot:
+        traffic = self._model(model)
+        since = self._clock() - window_s
+        ttfts = sorted(seconds for at, seconds in traffic.ttfts if at >= since)
+        return TrafficSnapshot(
+            ttft_p95_s=_p95(ttfts),
+            num_ttft_samples=len(ttfts),
+            num_prompt_tokens=sum(n for at, n in traffic.prompt_tokens if at >= since),
+            num_output_tokens=sum(n for at, n in traffic.output_tokens if at >= since),
+        )
+
+
+def _p95(sorted_values: list[float]) -> float:
+    if not sorted_values:
+        return 0.0
+    return sorted_values[min(len(sorted_values) - 1, math.ceil(0.95 * len(sorted_values)) - 1)]
