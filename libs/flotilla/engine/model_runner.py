@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
+from flotilla.engine.model import decode_kernel
 from flotilla.engine.model.attention import AttentionMetadata, SeqChunk
 from flotilla.engine.model.kv_cache import allocate_kv_cache, copy_blocks
 from flotilla.engine.model.llama import LlamaForCausalLM
 from flotilla.engine.sampler import compute_logprobs, sample
 from flotilla.engine.scheduler_output import BlockCopy, ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+
+
+class StepKVHook(Protocol):
+    def begin_step(self, scheduler_output: SchedulerOutput) -> None: ...
+    def on_layer(self, layer_index: int) -> None: ...
+    def end_step(self) -> None: ...
 
 
 class ModelRunner:
@@ -29,6 +37,10 @@ class ModelRunner:
         self.device = device
         self.default_seed = default_seed
         self.kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, dtype, device)
+        # Optional KV-transfer hook (flotilla.engine.remote_prefill.KVSender): told each step's chunks, called
+        # after every layer, and at the end of the forward pass (where it waits for its writes).
+        self.kv_hook: StepKVHook | None = None
+        self.use_decode_kernel = decode_kernel.applies(self.kv_caches[0])
         # Host copy of the pool for swap preemption; pinned so that copies from a GPU are asynchronous.
         self.host_kv_caches = (
             allocate_kv_cache(
@@ -48,9 +60,17 @@ class ModelRunner:
         chunks = sorted(scheduler_output.chunks, key=lambda chunk: (chunk.num_tokens != 1, chunk.end))
         input_ids, positions = self._inputs(chunks)
         meta = AttentionMetadata.build(
-            [SeqChunk(c.start, c.num_tokens, c.block_ids) for c in chunks], self.block_size, self.device
+            [SeqChunk(c.start, c.num_tokens, c.block_ids) for c in chunks],
+            self.block_size,
+            self.device,
+            use_decode_kernel=self.use_decode_kernel,
         )
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        hook = self.kv_hook
+        if hook is not None:
+            hook.begin_step(scheduler_output)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches, hook.on_layer if hook is not None else None)
+        if hook is not None:
+            hook.end_step()
         sampling = [i for i, chunk in enumerate(chunks) if chunk.samples]
         if not sampling:
             return ModelRunnerOutput()

@@ -18,6 +18,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from flotilla.engine.model import decode_kernel
+
 
 class SeqChunk(NamedTuple):
     """Tokens [start, start + num_tokens) of one sequence are computed this step; block_ids is its block table."""
@@ -35,6 +37,16 @@ class DecodeBatch:
     token_slice: slice | None  # the same rows as a slice when they are a contiguous run (the usual case)
     block_ids: torch.Tensor  # [B * W] every sequence's block table padded to W blocks (padding: block 0)
     mask: torch.Tensor  # [B, 1, 1, W * block_size] True where the key is inside the sequence's context
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """All one-token chunks of a step for the CPU kernel, which reads K/V through the block tables."""
+
+    token_indices: torch.Tensor  # [B] rows of the flattened input
+    token_slice: slice | None
+    block_tables: torch.Tensor  # [B, W] int64, contiguous
+    context_lens: torch.Tensor  # [B] int64
 
 
 @dataclass(frozen=True)
@@ -56,6 +68,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks], padded with 0 past each table's needed blocks
     decode_groups: tuple[DecodeBatch, ...]
     prefills: tuple[PrefillChunk, ...]
+    decode_rows: DecodeRows | None = None  # set instead of decode_groups when the CPU kernel runs decode
 
     @classmethod
     def build(
@@ -64,9 +77,11 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device,
         max_decode_group_tokens: int | None = None,
+        use_decode_kernel: bool = False,
     ) -> AttentionMetadata:
         """max_decode_group_tokens caps the padded context tokens gathered per decode SDPA call; None picks
-        a per-device default. Order decode chunks by context length to keep padding small."""
+        a per-device default. Order decode chunks by context length to keep padding small.
+        use_decode_kernel: decode through the CPU kernel (decode_kernel.applies) instead of SDPA groups."""
         _validate(seqs, block_size)
         starts = [seq.start for seq in seqs]
         counts = [seq.num_tokens for seq in seqs]
@@ -79,11 +94,16 @@ class AttentionMetadata:
         )
         slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
         decode_ids = [i for i, count in enumerate(counts) if count == 1]
-        group_tokens = max_decode_group_tokens or _default_decode_group_tokens(device)
-        decode_groups = tuple(
-            _decode_batch(group, offsets, ends, block_tables, block_size, device)
-            for group in _decode_groups(decode_ids, ends, group_tokens)
-        )
+        decode_rows = None
+        decode_groups: tuple[DecodeBatch, ...] = ()
+        if use_decode_kernel and decode_ids:
+            decode_rows = _decode_rows(decode_ids, offsets, ends, block_tables, device)
+        else:
+            group_tokens = max_decode_group_tokens or _default_decode_group_tokens(device)
+            decode_groups = tuple(
+                _decode_batch(group, offsets, ends, block_tables, block_size, device)
+                for group in _decode_groups(decode_ids, ends, group_tokens)
+            )
         prefills = tuple(
             _prefill_chunk(starts[i], counts[i], offsets[i], block_tables[i], block_size, device)
             for i in range(len(seqs))
@@ -96,6 +116,7 @@ class AttentionMetadata:
             context_lens=torch.tensor(ends, dtype=torch.int64, device=device),
             block_tables=block_tables,
             decode_groups=decode_groups,
+            decode_rows=decode_rows,
             prefills=prefills,
         )
 
@@ -159,6 +180,18 @@ def _decode_groups(decode_ids: list[int], ends: list[int], max_group_tokens: int
     return groups + [current] if current else groups
 
 
+def _decode_rows(decode_ids: list[int], offsets, ends, block_tables, device) -> DecodeRows:
+    rows = [offsets[i] for i in decode_ids]
+    contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+    ids = torch.tensor(decode_ids, dtype=torch.int64, device=device)
+    return DecodeRows(
+        token_indices=torch.tensor(rows, dtype=torch.int64, device=device),
+        token_slice=slice(rows[0], rows[0] + len(rows)) if contiguous else None,
+        block_tables=block_tables[ids].contiguous(),
+        context_lens=torch.tensor([ends[i] for i in decode_ids], dtype=torch.int64, device=device),
+    )
+
+
 def _decode_batch(decode_ids: list[int], offsets, ends, block_tables, block_size, device) -> DecodeBatch:
     rows = [offsets[i] for i in decode_ids]
     contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
@@ -202,6 +235,8 @@ def paged_attention(
     out = torch.empty_like(q)
     for group in meta.decode_groups:
         _decode_attention(q, kv_cache, group, out)
+    if meta.decode_rows is not None:
+        _decode_with_kernel(q, kv_cache, meta.decode_rows, out)
     for chunk in meta.prefills:
         out[chunk.token_slice] = _prefill_attention(q[chunk.token_slice], kv_cache, chunk)
     return out
@@ -227,6 +262,15 @@ def _decode_attention(q, kv_cache, batch: DecodeBatch, out: torch.Tensor) -> Non
         out[batch.token_slice] = result
     else:
         out.index_copy_(0, batch.token_indices, result)
+
+
+def _decode_with_kernel(q, kv_cache, rows: DecodeRows, out: torch.Tensor) -> None:
+    queries = q[rows.token_slice] if rows.token_slice is not None else q[rows.token_indices]
+    result = decode_kernel.paged_decode_attention(queries, kv_cache, rows.block_tables, rows.context_lens)
+    if rows.token_slice is not None:
+        out[rows.token_slice] = result
+    else:
+        out.index_copy_(0, rows.token_indices, result)
 
 
 def _prefill_attention(q, kv_cache, chunk: PrefillChunk) -> torch.Tensor:

@@ -1,0 +1,93 @@
+/* Decode attention on the CPU that reads K/V straight through block tables.
+ *
+ * One query token per sequence, sequences in parallel. K and V are read once, in place, and never copied:
+ * memory traffic is what bounds decode on a CPU (the torch path gathers whole blocks first and then
+ * reads the copy again).
+ *
+ * Layouts (float32, contiguous):
+ *   q            [B, H, D]                      out  [B, H, D]
+ *   kv (a layer) [2, num_blocks, block_size, KVH, D]
+ *   block_tables [B, W] int64, context_lens [B] int64
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* One sequence, all heads, three passes: scores (reads K once, token-major so each token's heads are one
+ * contiguous read), softmax (vectorised expf over the context), weighted sum of V (reads V once). */
+static void attend_sequence(const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
+                            int64_t context_len, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, float scale, float *scores, float *out) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t token_stride = num_kv_heads * head_dim;
+    for (int64_t t = 0; t < context_len; t++) {
+        const float *k_token = k_cache + (table[t / block_size] * block_size + t % block_size) * token_stride;
+        for (int64_t h = 0; h < num_heads; h++) {
+            const float *k = k_token + (h / group) * head_dim;
+            const float *qh = q + h * head_dim;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < head_dim; d++) dot += qh[d] * k[d];
+            scores[h * context_len + t] = dot * scale;
+        }
+    }
+    for (int64_t h = 0; h < num_heads; h++) {
+        float *row = scores + h * context_len;
+        float max_score = -INFINITY, total = 0.0f;
+        for (int64_t t = 0; t < context_len; t++) max_score = row[t] > max_score ? row[t] : max_score;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < context_len; t++) {
+            row[t] = expf(row[t] - max_score);
+            total += row[t];
+        }
+        const float inv = 1.0f / total;
+#pragma omp simd
+        for (int64_t t = 0; t < context_len; t++) row[t] *= inv;
+    }
+    memset(out, 0, sizeof(float) * num_heads * head_dim);
+    for (int64_t t = 0; t < context_len; t++) {
+        const float *v_token = v_cache + (table[t / block_size] * block_size + t % block_size) * token_stride;
+        for (int64_t h = 0; h < num_heads; h++) {
+            const float *v = v_token + (h / group) * head_dim;
+            const float p = scores[h * context_len + t];
+            float *o = out + h * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; d++) o[d] += p * v[d];
+        }
+    }
+}
+
+int paged_decode_attention_f32(const float *q, const float *kv, const int64_t *block_tables,
+                               const int64_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,
+                               int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
+                               int64_t table_width, float scale, int num_threads) {
+    if (num_kv_heads < 1 || num_heads % num_kv_heads) return -1;
+    const float *k_cache = kv;
+    const float *v_cache = kv + num_blocks * block_size * num_kv_heads * head_dim;
+    int status = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        int64_t capacity = 0;
+        float *scores = NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t b = 0; b < num_seqs; b++) {
+            const int64_t needed = num_heads * context_lens[b];
+            if (needed > capacity) {
+                free(scores);
+                capacity = needed;
+                scores = malloc(sizeof(float) * capacity);
+                if (scores == NULL) {
+                    status = -2;
+                    capacity = 0;
+                    continue;
+                }
+            }
+            const int64_t row = b * num_heads * head_dim;
+            attend_sequence(q + row, k_cache, v_cache, block_tables + b * table_width, context_lens[b], block_size,
+                            num_heads, num_kv_heads, head_dim, scale, scores, out + row);
+        }
+        free(scores);
+    }
+    return status;
+}
