@@ -10,7 +10,7 @@ PROTO_SRC := $(shell find protos -name '*.proto' 2>/dev/null)
 PROTO_STAMP := libs/flotilla/api/.generated
 PYTEST_ARGS ?=
 
-.PHONY: install protos test run bench clean
+.PHONY: install protos test run bench clean redis-server
 
 install: $(STAMP)
 
@@ -34,7 +34,13 @@ $(PROTO_STAMP): $(PROTO_SRC) $(STAMP)
 	find libs/flotilla/api -type d -exec touch {}/__init__.py \;
 	touch $@
 
-test: install protos
+# Real Redis for the tenancy tests (Debian's redis-server), installed when missing.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq redis-server; }
+
+test: install protos redis-server
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 run: install protos

@@ -7,7 +7,8 @@ import importlib
 import sys
 
 # Subcommand modules; each defines register(subparsers) and sets a `func(args) -> int` default.
-SUBCOMMAND_MODULES = ("flotilla.cli.model", "flotilla.cli.serve", "flotilla.cli.gateway", "flotilla.cli.up")
+SUBCOMMAND_MODULES = ("flotilla.cli.model", "flotilla.cli.serve", "flotilla.cli.gateway", "flotilla.cli.up",
+                      "flotilla.cli.keys")
 
 
 def build_parser() -> argparse.ArgumentParser:
