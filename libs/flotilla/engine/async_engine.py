@@ -51,6 +51,23 @@ class _Add:
     cache_salt: str
     stream: RequestStream
     ack: asyncio.Future[None]
+    prefilled: Prefilled | None = None  # a remote prefill's request and first token: admit it as running
+
+
+class Prefilled(NamedTuple):
+    """A request whose prompt K/V a prefill worker wrote into its reserved blocks, and its first token."""
+
+    request: Any  # flotilla.engine.request.Request, its blocks reserved by remote_prefill.try_reserve
+    first_token_id: int
+    logprobs: Any = None  # TokenLogprobs of the first token, when asked for
+
+
+@dataclass
+class _Call:
+    """Run fn(engine) on the engine thread between steps; its result (or exception) goes to ack."""
+
+    fn: Callable[[LLMEngine], Any]
+    ack: asyncio.Future[Any]
 
 
 @dataclass
@@ -67,7 +84,7 @@ class AsyncEngine:
         self._factory = engine_factory
         self._check_integrity_when_idle = check_integrity_when_idle
         self._cond = threading.Condition()
-        self._commands: list[_Add | _Abort] = []  # guarded by _cond
+        self._commands: list[_Add | _Abort | _Call] = []  # guarded by _cond
         self._stopping = False  # guarded by _cond
         self._closed = False  # guarded by _cond: the thread has exited
         self._thread: threading.Thread | None = None
@@ -153,6 +170,31 @@ class AsyncEngine:
             raise
         return stream
 
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run fn(engine) on the engine thread between steps and return its result (or raise its error)."""
+        self._check_running()
+        ack: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._submit(_Call(fn, ack))
+        return await ack
+
+    async def generate_prefilled(self, prefilled: Prefilled) -> RequestStream:
+        """Admit a remotely prefilled request into the running batch; its stream starts with the first token."""
+        self._check_running()
+        request = prefilled.request
+        if request.request_id in self._streams:
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
+        stream = RequestStream(self, request.request_id, request.num_prompt_tokens)
+        self._streams[request.request_id] = stream
+        ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._submit(_Add(request.request_id, [], request.sampling_params, request.priority, request.cache_salt,
+                          stream, ack, prefilled))  # fmt: skip
+        try:
+            await ack
+        except BaseException:
+            self._forget(stream)
+            raise
+        return stream
+
     async def abort(self, request_id: str) -> bool:
         """Abort a request now; its stream ends with an ABORT output. False if the engine did not hold it."""
         self._check_running()
@@ -166,7 +208,7 @@ class AsyncEngine:
         if self._failure is not None or self._stopping:
             raise EngineDeadError(f"engine stopped: {self._failure or 'shutdown'}")
 
-    def _submit(self, command: _Add | _Abort) -> None:
+    def _submit(self, command: _Add | _Abort | _Call) -> None:
         with self._cond:
             if not self._closed:
                 self._commands.append(command)
@@ -231,14 +273,14 @@ class AsyncEngine:
                 needs_check = False
                 self._check_integrity(engine)
 
-    def _next_commands(self, engine: LLMEngine) -> tuple[list[_Add | _Abort], bool]:
+    def _next_commands(self, engine: LLMEngine) -> tuple[list[_Add | _Abort | _Call], bool]:
         with self._cond:
             while not self._commands and not self._stopping and not engine.has_unfinished_requests():
                 self._cond.wait()
             commands, self._commands = self._commands, []
             return commands, self._stopping
 
-    def _apply(self, engine: LLMEngine, command: _Add | _Abort) -> _Ack:
+    def _apply(self, engine: LLMEngine, command: _Add | _Abort | _Call) -> _Ack:
         """Apply one command; returns the answer for its waiter, sent once the snapshot is updated."""
         if isinstance(command, _Abort):
             stream = self._active.pop(command.request_id, None)
@@ -246,6 +288,13 @@ class AsyncEngine:
             if stream is not None:
                 self._call_soon(stream._push, _ABORTED)
             return _Ack(command.ack, found, None)
+        if isinstance(command, _Call):
+            try:
+                return _Ack(command.ack, command.fn(engine), None)
+            except Exception as exc:  # back to the caller, not the thread
+                return _Ack(command.ack, None, exc)
+        if command.prefilled is not None:
+            return self._apply_prefilled(engine, command)
         try:
             engine.add_request(
                 command.request_id,
@@ -257,6 +306,17 @@ class AsyncEngine:
         except Exception as exc:  # validation errors (and bugs) go back to the caller, not the thread
             return _Ack(command.ack, None, exc)
         self._active[command.request_id] = command.stream
+        return _Ack(command.ack, None, None)
+
+    def _apply_prefilled(self, engine: LLMEngine, command: _Add) -> _Ack:
+        prefilled = command.prefilled
+        try:
+            output = engine.add_prefilled_request(prefilled.request, prefilled.first_token_id, prefilled.logprobs)
+        except Exception as exc:
+            return _Ack(command.ack, None, exc)
+        if not output.finished:
+            self._active[command.request_id] = command.stream
+        self._call_soon(command.stream._push, output)
         return _Ack(command.ack, None, None)
 
     def _step(self, engine: LLMEngine) -> list[tuple[RequestStream, RequestOutput]]:

@@ -20,7 +20,7 @@ from flotilla.engine.outputs import EngineStats, RequestOutput
 from flotilla.engine.request import FinishReason, Priority, Request
 from flotilla.engine.sampling_params import SamplingParams
 from flotilla.engine.scheduler import Scheduler, SchedulerConfig
-from flotilla.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from flotilla.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from flotilla.engine.stop_checker import StopChecker
 from flotilla.engine.tokenizer import Tokenizer
 
@@ -103,6 +103,46 @@ class LLMEngine:
             StopChecker(request, self.max_model_len),
         )
         self._num_prompt_tokens_total += len(prompt)
+
+    # ---- remote prefill (see flotilla.engine.remote_prefill) -----------------------------------------
+    def new_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        priority: Priority = Priority.INTERACTIVE,
+        cache_salt: str = "",
+    ) -> Request:
+        """A validated request that is NOT queued: a decode worker reserves its KV blocks first."""
+        sampling_params.validate(max_tokens_limit=self.max_model_len)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=self._validated_prompt(prompt_token_ids),
+            sampling_params=sampling_params,
+            priority=Priority(priority),
+            cache_salt=cache_salt,
+            eos_token_ids=tuple(self.tokenizer.eos_token_ids),
+        )
+        self.scheduler.validate_new(request)
+        return request
+
+    def add_prefilled_request(
+        self, request: Request, first_token_id: int, logprobs: TokenLogprobs | None = None
+    ) -> RequestOutput:
+        """Admit a request whose prompt K/V already sit in its blocks (written by a prefill worker) and
+        continue from the first token that prefill produced; returns the output for that token."""
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv_cache_manager.publish_blocks(request, 0, request.num_prompt_tokens)
+        self.scheduler.adopt_running(request)
+        request.output_token_ids.append(first_token_id)
+        tracked = self._tracked[request.request_id] = _Tracked(
+            request,
+            IncrementalDetokenizer(self.tokenizer, prompt_token_ids=request.prompt_token_ids),
+            StopChecker(request, self.max_model_len),
+        )
+        self._num_prompt_tokens_total += request.num_prompt_tokens
+        runner_output = ModelRunnerOutput(logprobs={request.request_id: logprobs} if logprobs else {})
+        return self._advance(tracked, first_token_id, runner_output)
 
     def _validated_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
         prompt = list(prompt_token_ids)

@@ -167,12 +167,14 @@ class KVCacheManager:
         num_new_tokens: int,
         computed: ComputedBlocks | None = None,
         num_lookahead_tokens: int = 0,
+        publish: bool = True,
     ) -> list[BlockCopy] | None:
         """Grow the request's block table to cover its computed tokens + `num_new_tokens` (+ lookahead).
 
         For a request without a table, `computed` (from get_computed_blocks; None = no hit) becomes its
         head and sets request.num_computed_tokens. Returns the copies to run before the step, or None
-        with nothing changed when free blocks are short.
+        with nothing changed when free blocks are short. `publish=False` keeps the new full blocks out of the
+        prefix cache (their K/V arrive later, from a remote prefill); `publish_blocks` publishes them then.
         """
         if num_new_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError(f"token counts must be >= 0, got {num_new_tokens}, {num_lookahead_tokens}")
@@ -190,8 +192,18 @@ class KVCacheManager:
             return None
         table = self._take_blocks(request, plan)
         copies = self._copy_on_write(table, plan.copy_index)
-        self._cache_full_blocks(request, table, start, end)
+        if publish:
+            self._cache_full_blocks(request, table, start, end)
         return copies
+
+    def publish_blocks(self, request: Request, start: int, end: int) -> None:
+        """Publish the full blocks covering tokens [start, end) of a request whose K/V are now in place."""
+        table = self._tables.get(request.request_id)
+        if table is None:
+            raise ValueError(f"request {request.request_id} holds no device blocks")
+        pending = set(self._pending)
+        self._cache_full_blocks(request, table, start, end)
+        self._pending = pending  # their K/V are written already: none of them is pending
 
     def free(self, request: Request) -> None:
         """Release everything the request holds, device blocks (tail first) and host slots."""

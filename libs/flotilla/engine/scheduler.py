@@ -102,6 +102,27 @@ class Scheduler:
         self._checked_idle = False
         self._enqueue_waiting(request)
 
+    def validate_new(self, request: Request) -> None:
+        """The checks add_request makes, without queueing (a decode worker reserving KV for a remote prefill)."""
+        self._validate_new(request)
+
+    def adopt_running(self, request: Request) -> None:
+        """Take a request whose blocks are already allocated and computed (a remote prefill) straight into
+        the running batch."""
+        self._validate_known_blocks(request)
+        self._requests[request.request_id] = request
+        self._arrival_seq[request.request_id] = self._next_seq
+        self._next_seq += 1
+        self._checked_idle = False
+        request.status = RequestStatus.RUNNING
+        self._running.append(request)
+
+    def _validate_known_blocks(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already scheduled")
+        if len(self.kv.block_ids(request.request_id)) * self.kv.block_size < request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id}: its blocks do not cover its computed tokens")
+
     def abort_request(self, request_id: str) -> Request | None:
         """Stop a request at once (from waiting or running) and free its blocks; None if unknown."""
         return self.finish_request(request_id, FinishReason.ABORT)

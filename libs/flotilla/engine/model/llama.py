@@ -7,7 +7,7 @@ q/k/v and gate/up are fused into single matmuls; the loader splits checkpoint te
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -106,13 +106,17 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         attn_metadata: AttentionMetadata,
         kv_caches: Sequence[torch.Tensor],
+        layer_callback: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """input_ids/positions [T] -> final-normed hidden states [T, hidden]; K/V go into kv_caches."""
+        """input_ids/positions [T] -> final-normed hidden states [T, hidden]; K/V go into kv_caches.
+        `layer_callback(i)` runs once layer i's K/V are in the cache (KV transfer ships them layer by layer)."""
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"{len(kv_caches)} KV caches for {len(self.model.layers)} layers")
         x = self.model.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        for index, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             x = layer(x, positions, attn_metadata, kv_cache)
+            if layer_callback is not None:
+                layer_callback(index)
         return self.model.norm(x)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

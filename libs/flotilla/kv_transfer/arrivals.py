@@ -1,0 +1,74 @@
+"""Receiving side: count per-layer write notifications per transfer and wake whoever waits for all of them.
+
+Messages are b"<transfer_id>:<layer>". The sender reports how many writes it made (layers x chunks) once its
+prefill is done; the transfer is complete when that many notifications arrived. Notifications may arrive
+before anyone waits, so counts are kept until `forget()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+
+
+def notif_message(transfer_id: str, layer: int) -> bytes:
+    return f"{transfer_id}:{layer}".encode()
+
+
+@dataclass
+class _Transfer:
+    num_arrived: int = 0
+    num_expected: int | None = None
+    layers: set[int] = field(default_factory=set)
+    waiter: asyncio.Future[None] | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+
+
+class ArrivalTracker:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._transfers: dict[str, _Transfer] = {}
+        self.num_bytes_notified = 0
+
+    def on_notif(self, agent_name: str, message: bytes) -> None:
+        """Transport thread: one write landed."""
+        transfer_id, _, layer = message.decode(errors="replace").rpartition(":")
+        with self._lock:
+            transfer = self._transfers.setdefault(transfer_id, _Transfer())
+            transfer.num_arrived += 1
+            if layer.isdigit():
+                transfer.layers.add(int(layer))
+            self._maybe_wake(transfer)
+
+    def expect(self, transfer_id: str, num_writes: int) -> asyncio.Future[None]:
+        """Loop side: a future that completes once `num_writes` notifications arrived for the transfer."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            transfer = self._transfers.setdefault(transfer_id, _Transfer())
+            transfer.num_expected = num_writes
+            transfer.loop = loop
+            transfer.waiter = loop.create_future()
+            self._maybe_wake(transfer)
+            return transfer.waiter
+
+    def num_arrived(self, transfer_id: str) -> int:
+        with self._lock:
+            transfer = self._transfers.get(transfer_id)
+            return transfer.num_arrived if transfer else 0
+
+    def forget(self, transfer_id: str) -> None:
+        with self._lock:
+            self._transfers.pop(transfer_id, None)
+
+    def _maybe_wake(self, transfer: _Transfer) -> None:
+        if transfer.waiter is None or transfer.num_expected is None or transfer.loop is None:
+            return
+        if transfer.num_arrived >= transfer.num_expected:
+            waiter, transfer.waiter = transfer.waiter, None
+            transfer.loop.call_soon_threadsafe(_resolve, waiter)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
