@@ -38,29 +38,35 @@ class WaitBudgets:
 class _Rate:
     last_total: int
     last_at: float
+    last_busy: bool
     tokens_per_s: float = 0.0
 
 
 @dataclass
 class ThroughputMeter:
-    """Per worker, tokens/s while busy, smoothed; a worker that reports no work adds no sample."""
+    """Per worker, tokens/s over report intervals in which it had work, smoothed (EWMA); idle intervals
+    add no sample, so an idle fleet keeps the throughput it showed when busy."""
 
     alpha: float = 0.3
     clock: Callable[[], float] = time.monotonic
     _rates: dict[str, _Rate] = field(default_factory=dict)
 
-    def observe(self, worker_id: str, num_tokens_total: int, busy: bool) -> None:
-        now = self.clock()
+    def observe(self, worker_id: str, num_tokens_total: int, busy: bool, at: float | None = None) -> None:
+        """One load report: cumulative tokens processed, whether it has work, when it was taken
+        (`at`; the same report observed twice adds nothing)."""
+        now = self.clock() if at is None else at
         rate = self._rates.get(worker_id)
         if rate is None or num_tokens_total < rate.last_total:  # new or restarted worker
-            self._rates[worker_id] = _Rate(num_tokens_total, now)
+            self._rates[worker_id] = _Rate(num_tokens_total, now, busy)
             return
         elapsed = now - rate.last_at
-        if busy and elapsed > 0 and num_tokens_total > rate.last_total:
+        if elapsed <= 0:
+            return
+        if (busy or rate.last_busy) and num_tokens_total > rate.last_total:
             sample = (num_tokens_total - rate.last_total) / elapsed
             rate.tokens_per_s = sample if rate.tokens_per_s == 0 else (
                 self.alpha * sample + (1 - self.alpha) * rate.tokens_per_s)
-        rate.last_total, rate.last_at = num_tokens_total, now
+        rate.last_total, rate.last_at, rate.last_busy = num_tokens_total, now, busy
 
     def forget(self, worker_id: str) -> None:
         self._rates.pop(worker_id, None)

@@ -1,9 +1,13 @@
-"""Admission: resolve the model, place the request on a worker now, or queue it (bounded, per model name).
+"""Admission: resolve the model, place the request on a worker now, or queue it.
 
-Queued requests leave in arrival order: whenever load changes (a heartbeat, a registration, a finished
-request) `dispatch()` places queue heads while some worker has room. A request waits up to its deadline or
-`max_queue_wait_s`, then fails UNAVAILABLE (no healthy worker serves its model) or OVERLOADED (all busy);
-a full queue answers OVERLOADED at once.
+One queue per model and priority class (interactive before batch); inside a class, deficit round robin on
+tokens between tenants (fair_queue.py). Whenever load changes (a heartbeat, a registration, a finished
+request) `dispatch()` places queue heads while some worker has room; a head whose deadline has passed is
+rejected there (DEADLINE_EXCEEDED), not served late. Before queueing, the request's estimated wait (tokens
+queued ahead in its class and above / measured fleet throughput) is checked against its `max_queue_wait_s`:
+beyond it, OVERLOADED at once with a retry_after_s from the drain rate. A request waits up to its deadline
+or `max_queue_wait_s`, then fails UNAVAILABLE (no healthy worker serves its model) or OVERLOADED (all
+busy); a full class queue (bounded depth) answers OVERLOADED at once.
 """
 
 from __future__ import annotations
@@ -11,24 +15,46 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections import deque
-from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from flotilla.api.common.v1 import common_pb2 as pb
+from flotilla.router.fair_queue import FairQueue
 from flotilla.router.models import ModelNotFoundError, Resolution, resolve_model
 from flotilla.router.placement import PlacementLimits, choose_worker
 from flotilla.router.registry import WorkerEntry, WorkerRegistry
+from flotilla.tenancy.fleet import ThroughputMeter, estimated_wait_s, overload_retry_after_s
+
+# Served in this order: a batch request is placed only while no interactive one waits for the same model.
+CLASS_ORDER = (pb.PRIORITY_CLASS_INTERACTIVE, pb.PRIORITY_CLASS_BATCH)
 
 
 class RouterError(Exception):
     """A request the router answers with an Error event instead of tokens."""
 
-    def __init__(self, code: int, message: str, field: str = ""):
+    def __init__(self, code: int, message: str, field: str = "", retry_after_s: float = 0.0):
         super().__init__(message)
         self.code = code
         self.message = message
         self.field = field
+        self.retry_after_s = retry_after_s
+
+
+class Ticket(NamedTuple):
+    """Who asks and how much: what fair queueing and the wait-budget check need beyond the model."""
+
+    priority: int = pb.PRIORITY_CLASS_INTERACTIVE
+    tenant: str = ""
+    num_tokens: int = 0  # prompt + max_tokens; 0: the prompt only
+    weight: int = 1
+    max_queue_wait_s: float = 0.0  # 0: no wait-budget check
+
+    @classmethod
+    def of(cls, request: pb.GenerateRequest) -> Ticket:
+        priority = request.priority if request.priority in CLASS_ORDER else pb.PRIORITY_CLASS_INTERACTIVE
+        return cls(priority, request.tenant_id, len(request.prompt_token_ids) + request.sampling.max_tokens,
+                   max(1, request.tenant_weight), request.max_queue_wait_s)
 
 
 @dataclass(frozen=True)
@@ -42,6 +68,27 @@ class _Waiter:
     requested: str
     num_prompt_tokens: int
     future: asyncio.Future[Placement]
+    tenant: str = ""
+    cost: int = 0
+    weight: int = 1
+    deadline_unix_s: float = 0.0
+
+
+@dataclass
+class _ModelQueues:
+    classes: dict[int, FairQueue[_Waiter]] = field(default_factory=lambda: {c: FairQueue() for c in CLASS_ORDER})
+
+    def waiters(self) -> Iterator[_Waiter]:
+        for queue in self.classes.values():
+            yield from queue
+
+    def tokens_ahead(self, priority: int) -> int:
+        """Tokens queued in this class and the classes served before it."""
+        ahead = CLASS_ORDER[: CLASS_ORDER.index(priority) + 1]
+        return sum(self.classes[c].num_tokens for c in ahead)
+
+    def has_waiters_ahead(self, priority: int) -> bool:
+        return any(len(self.classes[c]) for c in CLASS_ORDER[: CLASS_ORDER.index(priority) + 1])
 
 
 class Admission:
@@ -62,7 +109,8 @@ class Admission:
         self._max_queue_depth = max_queue_depth
         self._max_queue_wait_s = max_queue_wait_s
         self._wall_clock = wall_clock
-        self._queues: dict[str, deque[_Waiter]] = {}
+        self._queues: dict[str, _ModelQueues] = {}
+        self.throughput = ThroughputMeter()
 
     def resolve(self, requested: str) -> Resolution:
         if not requested:
@@ -72,53 +120,107 @@ class Admission:
         except ModelNotFoundError as exc:
             raise RouterError(pb.ERROR_CODE_MODEL_NOT_FOUND, str(exc), "model") from None
 
-    def queue_depth(self, name: str) -> int:
-        return len(self._queues.get(name, ()))
+    def queue_depth(self, name: str, priority: int | None = None) -> int:
+        queues = self._queues.get(name)
+        if queues is None:
+            return 0
+        return sum(len(q) for c, q in queues.classes.items() if priority is None or c == priority)
 
     def queued_tokens(self, name: str) -> int:
         """Prompt tokens waiting in this model's queue (autoscaler signal)."""
-        return sum(w.num_prompt_tokens for w in self._queues.get(name, ()) if not w.future.done())
+        queues = self._queues.get(name)
+        return sum(w.num_prompt_tokens for w in queues.waiters() if not w.future.done()) if queues else 0
 
-    async def acquire(self, requested: str, num_prompt_tokens: int, deadline_unix_s: float = 0.0) -> Placement:
+    def estimated_wait_s(self, name: str, priority: int = pb.PRIORITY_CLASS_INTERACTIVE) -> float | None:
+        """Tokens ahead (router queue + prompts not yet computed on the workers) / measured throughput;
+        None while the fleet's throughput is unmeasured."""
+        self._observe_throughput()
+        queues = self._queues.get(name)
+        workers = [e for e in self._registry.workers() if e.model_name == name and self._registry.is_healthy(e)]
+        ahead = (queues.tokens_ahead(priority) if queues else 0) + sum(
+            self._registry.load_of(e).num_queued_tokens for e in workers)
+        return estimated_wait_s(ahead, self.throughput.tokens_per_s(e.worker_id for e in workers))
+
+    async def acquire(self, requested: str, num_prompt_tokens: int, deadline_unix_s: float = 0.0,
+                      ticket: Ticket | None = None) -> Placement:
         """A worker for this request, now or after queueing; raises RouterError."""
+        ticket = ticket or Ticket(num_tokens=num_prompt_tokens)
         resolution = self.resolve(requested)
-        queue = self._queues.setdefault(resolution.name, deque())
-        if not queue:  # nobody waits ahead of us
+        queues = self._queues.setdefault(resolution.name, _ModelQueues())
+        if not queues.has_waiters_ahead(ticket.priority):
             placement = self._try_place(requested, num_prompt_tokens)
             if placement is not None:
                 return placement
+        self._check_wait_budget(resolution.name, ticket)
+        queue = queues.classes[ticket.priority]
         if len(queue) >= self._max_queue_depth:
-            raise RouterError(pb.ERROR_CODE_OVERLOADED, f"queue for {resolution.name!r} is full")
-        waiter = _Waiter(requested, num_prompt_tokens, asyncio.get_running_loop().create_future())
-        queue.append(waiter)
+            raise RouterError(pb.ERROR_CODE_OVERLOADED, f"queue for {resolution.name!r} is full",
+                              retry_after_s=self._retry_after(resolution.name, ticket))
+        waiter = _Waiter(requested, num_prompt_tokens, asyncio.get_running_loop().create_future(), ticket.tenant,
+                         max(ticket.num_tokens, num_prompt_tokens, 1), ticket.weight, deadline_unix_s)
+        queue.push(waiter)
         try:
             await asyncio.wait([waiter.future], timeout=self._wait_budget(deadline_unix_s))
         finally:
             if not waiter.future.done():
                 waiter.future.cancel()
-            _discard(queue, waiter)
+            queue.discard(waiter)
         if waiter.future.cancelled():
-            raise self._timeout_error(resolution.name)
+            raise self._timeout_error(resolution.name, deadline_unix_s)
         return waiter.future.result()
 
+    def _check_wait_budget(self, name: str, ticket: Ticket) -> None:
+        if ticket.max_queue_wait_s <= 0:
+            return
+        wait_s = self.estimated_wait_s(name, ticket.priority)
+        if wait_s is not None and wait_s > ticket.max_queue_wait_s:
+            raise RouterError(pb.ERROR_CODE_OVERLOADED,
+                              f"{name!r} is overloaded: estimated queue wait {wait_s:.1f} s exceeds this "
+                              f"request's budget of {ticket.max_queue_wait_s:.1f} s",
+                              retry_after_s=overload_retry_after_s(wait_s, ticket.max_queue_wait_s))
+
+    def _retry_after(self, name: str, ticket: Ticket) -> float:
+        wait_s = self.estimated_wait_s(name, ticket.priority)
+        return overload_retry_after_s(wait_s or 0.0, ticket.max_queue_wait_s)
+
+    def _observe_throughput(self) -> None:
+        # Runs on every dispatch(), which the service calls on every heartbeat: one sample per report.
+        for entry in self._registry.workers():
+            report = entry.report
+            busy = report.num_running + report.num_waiting > 0
+            self.throughput.observe(entry.worker_id, report.num_output_tokens_total + report.num_prompt_tokens_total,
+                                    busy, entry.last_heartbeat)
+
     def dispatch(self) -> None:
-        """Place queue heads, in order, while workers have room."""
-        for queue in self._queues.values():
-            while queue:
-                waiter = queue[0]
-                if waiter.future.done():
-                    queue.popleft()
-                    continue
-                try:
-                    placement = self._try_place(waiter.requested, waiter.num_prompt_tokens)
-                except RouterError as exc:  # its version went away while it waited
-                    queue.popleft()
-                    waiter.future.set_exception(exc)
-                    continue
-                if placement is None:
-                    break
-                queue.popleft()
-                waiter.future.set_result(placement)
+        """Place queue heads (interactive first, fair between tenants) while workers have room."""
+        self._observe_throughput()
+        for queues in self._queues.values():
+            for priority in CLASS_ORDER:
+                if not self._dispatch_class(queues.classes[priority]):
+                    break  # the head found no room: nothing of a later class may jump ahead of it
+
+    def _dispatch_class(self, queue: FairQueue[_Waiter]) -> bool:
+        """True when the class queue was emptied."""
+        while (waiter := queue.peek()) is not None:
+            if waiter.future.done():
+                queue.pop()
+                continue
+            if 0 < waiter.deadline_unix_s <= self._wall_clock():
+                queue.pop()
+                waiter.future.set_exception(RouterError(pb.ERROR_CODE_DEADLINE_EXCEEDED,
+                                                        "the request's deadline passed while it was queued"))
+                continue
+            try:
+                placement = self._try_place(waiter.requested, waiter.num_prompt_tokens)
+            except RouterError as exc:  # its version went away while it waited
+                queue.pop()
+                waiter.future.set_exception(exc)
+                continue
+            if placement is None:
+                return False
+            queue.pop()
+            waiter.future.set_result(placement)
+        return True
 
     def _try_place(self, requested: str, num_prompt_tokens: int) -> Placement | None:
         resolution = self.resolve(requested)
@@ -138,14 +240,9 @@ class Admission:
             budget = min(budget, deadline_unix_s - self._wall_clock())
         return max(0.0, budget) if math.isfinite(budget) else self._max_queue_wait_s
 
-    def _timeout_error(self, name: str) -> RouterError:
+    def _timeout_error(self, name: str, deadline_unix_s: float = 0.0) -> RouterError:
+        if 0 < deadline_unix_s <= self._wall_clock():
+            return RouterError(pb.ERROR_CODE_DEADLINE_EXCEEDED, "the request's deadline passed while it was queued")
         if not self._registry.has_healthy_worker(name):
             return RouterError(pb.ERROR_CODE_UNAVAILABLE, f"no healthy worker serves {name!r} now")
         return RouterError(pb.ERROR_CODE_OVERLOADED, f"every worker serving {name!r} is busy")
-
-
-def _discard(queue: deque[_Waiter], waiter: _Waiter) -> None:
-    try:
-        queue.remove(waiter)
-    except ValueError:
-        pass

@@ -11,7 +11,7 @@ from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.router.v1 import router_pb2_grpc
 from flotilla.rpc.convert import error_response
-from flotilla.router.admission import Admission, Placement, RouterError
+from flotilla.router.admission import Admission, Placement, RouterError, Ticket
 from flotilla.router.models import aliases_of
 from flotilla.router.registry import WorkerRegistry
 
@@ -41,10 +41,12 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
             return
         try:
             placement = await self._admission.acquire(
-                request.model, len(request.prompt_token_ids), request.deadline_unix_s
+                request.model, len(request.prompt_token_ids), request.deadline_unix_s, Ticket.of(request)
             )
         except RouterError as exc:
-            await context.write(error_response(exc.code, exc.message, exc.field))
+            refusal = error_response(exc.code, exc.message, exc.field)
+            refusal.error.retry_after_s = exc.retry_after_s
+            await context.write(refusal)
             return
         try:
             await self._relay(request, placement, context)
