@@ -48,9 +48,9 @@ class ArrivalTracker:
             transfer = self._transfers.setdefault(transfer_id, _Transfer())
             transfer.num_expected = num_writes
             transfer.loop = loop
-            transfer.waiter = loop.create_future()
-            self._maybe_wake(transfer)
-            return transfer.waiter
+            waiter = transfer.waiter = loop.create_future()
+            self._maybe_wake(transfer)  # every write may have landed already
+            return waiter
 
     def num_arrived(self, transfer_id: str) -> int:
         with self._lock:

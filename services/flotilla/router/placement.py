@@ -51,3 +51,51 @@ def choose_worker(loads: Iterable[WorkerLoad], num_prompt_tokens: int, limits: P
     if not candidates:
         return None
     return min(candidates, key=headroom_key).worker_id
+
+
+# ---- disaggregation: prefix affinity with a load cap -----------------------------------------------------
+@dataclass(frozen=True)
+class AffinityLimits:
+    """Prefer the worker holding the longest cached prefix unless its load is above the least-loaded
+    candidate's by more than a margin: a shared system prompt must not send all traffic to one worker."""
+
+    max_decode_load_margin: int = 4  # requests (running + waiting + placed) over the least-loaded decode worker
+    max_prefill_token_margin: int = 4096  # queued tokens over the least-loaded prefill worker
+    min_remote_prefill_tokens: int = 32  # a shorter uncached remainder is prefilled on the decode worker
+
+    def __post_init__(self) -> None:
+        if self.max_decode_load_margin < 0 or self.max_prefill_token_margin < 0 or self.min_remote_prefill_tokens < 1:
+            raise ValueError("affinity margins must be >= 0 and min_remote_prefill_tokens >= 1")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    load: WorkerLoad
+    num_cached_blocks: int  # leading blocks of the request's prompt in the worker's prefix cache
+
+
+def choose_decode_worker(candidates: Iterable[Candidate], limits: AffinityLimits) -> Candidate | None:
+    """Within the load cap: longest cached prefix, then fewest requests, then most free KV."""
+    return _with_affinity(
+        list(candidates),
+        lambda c: c.load.num_requests,
+        limits.max_decode_load_margin,
+        lambda c: (-c.num_cached_blocks, c.load.num_requests, -c.load.num_free_blocks, c.load.worker_id),
+    )
+
+
+def choose_prefill_worker(candidates: Iterable[Candidate], limits: AffinityLimits) -> Candidate | None:
+    """Within the load cap: longest cached prefix, then fewest queued prefill tokens."""
+    return _with_affinity(
+        list(candidates),
+        lambda c: c.load.num_queued_tokens,
+        limits.max_prefill_token_margin,
+        lambda c: (-c.num_cached_blocks, c.load.num_queued_tokens, c.load.worker_id),
+    )
+
+
+def _with_affinity(candidates: list[Candidate], load, margin: int, key) -> Candidate | None:
+    if not candidates:
+        return None
+    least = min(load(c) for c in candidates)
+    return min((c for c in candidates if load(c) <= least + margin), key=key)

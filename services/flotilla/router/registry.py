@@ -174,6 +174,15 @@ class WorkerRegistry:
 
     # ---- placement inputs --------------------------------------------------------------------------
     def healthy_workers(self, name: str, version: str) -> list[WorkerEntry]:
+        """Workers that can run a whole request (role both or decode): prefill-only workers take no Generate."""
+        return [
+            e for e in self._all_healthy(name, version) if e.info.role != pb.WORKER_ROLE_PREFILL
+        ]
+
+    def healthy_prefill_workers(self, name: str, version: str) -> list[WorkerEntry]:
+        return [e for e in self._all_healthy(name, version) if e.info.role == pb.WORKER_ROLE_PREFILL]
+
+    def _all_healthy(self, name: str, version: str) -> list[WorkerEntry]:
         return [
             e for e in self._workers.values()
             if e.model_name == name and e.version == version and self.is_healthy(e)

@@ -1,0 +1,107 @@
+"""Disaggregated placement on top of admission: admission chose a worker with room (role both or decode);
+the planner picks the decode worker by prefix affinity within a load cap, then a prefill worker (queued
+prefill tokens, prefix affinity) unless the uncached part of the prompt is short or no prefill worker serves
+the model. With no prefill worker and one decode-capable worker it changes nothing (colocated fleets)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from flotilla.api.common.v1 import common_pb2 as pb
+from flotilla.api.kvtransfer.v1 import kv_transfer_pb2 as kpb
+from flotilla.api.kvtransfer.v1 import kv_transfer_pb2_grpc
+from flotilla.engine.block_hash import hash_full_blocks
+from flotilla.router.placement import (
+    AffinityLimits,
+    Candidate,
+    PlacementLimits,
+    can_admit,
+    choose_decode_worker,
+    choose_prefill_worker,
+)
+from flotilla.router.registry import WorkerEntry, WorkerRegistry
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+class Plan(NamedTuple):
+    decode: WorkerEntry
+    prefill: WorkerEntry | None  # None: the decode worker prefills itself (WorkerService.Generate)
+
+
+class DisaggPlanner:
+    def __init__(self, registry: WorkerRegistry, limits: PlacementLimits | None = None,
+                 affinity: AffinityLimits | None = None):  # fmt: skip
+        self._registry = registry
+        self._limits = limits or PlacementLimits()
+        self.affinity = affinity or AffinityLimits()
+        self._hash_sets: dict[str, tuple[float, frozenset[bytes]]] = {}  # worker id -> (heartbeat, hashes)
+        self.num_prefix_hit_placements = 0  # placed on a worker holding part of the prompt
+
+    def plan(self, chosen: WorkerEntry, request: pb.GenerateRequest) -> Plan:
+        peers = self._registry.healthy_workers(chosen.model_name, chosen.version)
+        prefill_workers = self._registry.healthy_prefill_workers(chosen.model_name, chosen.version)
+        if len(peers) <= 1 and not prefill_workers:
+            return Plan(chosen, None)
+        prompt = list(request.prompt_token_ids)
+        block_size = chosen.report.block_size or DEFAULT_BLOCK_SIZE
+        hashes = hash_full_blocks(prompt, block_size, request.cache_salt)
+        decode = self._pick_decode(chosen, peers, hashes, len(prompt))
+        num_cached = self._num_cached(decode.load.worker_id, hashes)
+        if num_cached:
+            self.num_prefix_hit_placements += 1
+        decode_entry = self._registry.get(decode.load.worker_id) or chosen
+        if decode_entry is not chosen:  # admission counted the request on `chosen`: move it
+            self._move_placement(chosen, decode_entry, len(prompt))
+        if len(prompt) - num_cached * block_size < self.affinity.min_remote_prefill_tokens:
+            return Plan(decode_entry, None)
+        prefill = choose_prefill_worker(self._candidates(prefill_workers, hashes), self.affinity)
+        if prefill is None:
+            return Plan(decode_entry, None)
+        prefill_entry = self._registry.get(prefill.load.worker_id)
+        if prefill_entry is not None:
+            self._registry.record_placement(prefill_entry, len(prompt))
+        return Plan(decode_entry, prefill_entry)
+
+    def _pick_decode(self, chosen: WorkerEntry, peers: Sequence[WorkerEntry], hashes: list[bytes], num_tokens: int):
+        candidates = [
+            c for c in self._candidates(peers, hashes)
+            if c.load.worker_id == chosen.worker_id or can_admit(c.load, num_tokens, self._limits)
+        ]  # fmt: skip
+        return choose_decode_worker(candidates, self.affinity)
+
+    def _candidates(self, entries: Sequence[WorkerEntry], hashes: list[bytes]) -> list[Candidate]:
+        return [Candidate(self._registry.load_of(e), self._num_cached(e.worker_id, hashes)) for e in entries]
+
+    def _num_cached(self, worker_id: str, hashes: list[bytes]) -> int:
+        cached = self._hash_set(worker_id)
+        count = 0
+        for block_hash in hashes:  # chained hashes: only a leading run can be hit
+            if block_hash not in cached:
+                break
+            count += 1
+        return count
+
+    def _hash_set(self, worker_id: str) -> frozenset[bytes]:
+        entry = self._registry.get(worker_id)
+        if entry is None:
+            return frozenset()
+        memo = self._hash_sets.get(worker_id)
+        if memo is None or memo[0] != entry.last_heartbeat:
+            memo = self._hash_sets[worker_id] = (entry.last_heartbeat, frozenset(entry.report.cached_block_hashes))
+        return memo[1]
+
+    def _move_placement(self, old: WorkerEntry, new: WorkerEntry, num_tokens: int) -> None:
+        old.num_placed_requests = max(0, old.num_placed_requests - 1)
+        old.num_placed_tokens = max(0, old.num_placed_tokens - num_tokens)
+        self._registry.record_placement(new, num_tokens)
+
+
+def open_generate(plan: Plan, forwarded: pb.GenerateRequest, **call_kwargs):
+    """The worker call for a plan: WorkerService.Generate, or the decode worker's GenerateDisaggregated."""
+    if plan.prefill is None:
+        return plan.decode.stub.Generate(forwarded, **call_kwargs)
+    stub = kv_transfer_pb2_grpc.KVTransferServiceStub(plan.decode.channel)
+    request = kpb.DisaggregatedGenerateRequest(request=forwarded, prefill_worker_address=plan.prefill.info.address)
+    return stub.GenerateDisaggregated(request, **call_kwargs)

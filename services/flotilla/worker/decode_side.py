@@ -1,0 +1,131 @@
+"""Decode worker side of a hand-off: reserve the blocks, have the prefill worker fill them layer by layer,
+admit the request into the running batch once every write has arrived, and stream its tokens.
+
+Lifetimes: the reserved blocks are freed on any failure, but only once no write into them can be in flight:
+after the prefill worker answered (it answers when its writes completed), after AbortRemotePrefill returned
+(it returns once the prefill engine dropped the request, between steps), or when the prefill worker is gone
+(a dead process writes nothing). If the prefill worker fails or the transfer misses its lease, the request is
+prefilled here instead (placed again, on this worker); a cancelled call frees everything and ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+
+from flotilla.api.common.v1 import common_pb2 as pb
+from flotilla.api.kvtransfer.v1 import kv_transfer_pb2 as kpb
+from flotilla.engine.async_engine import EngineDeadError, Prefilled, RequestStream
+from flotilla.engine.errors import InvalidRequestError
+from flotilla.engine.remote_prefill import KVReservation, release, try_reserve
+from flotilla.engine.scheduler_output import TokenLogprobs
+from flotilla.rpc.convert import priority_from_proto, sampling_params_from_proto
+from flotilla.worker.kv_handoff import KVHandoff
+
+logger = logging.getLogger(__name__)
+
+ABORT_CALL_TIMEOUT_S = 5.0
+
+
+class HandoffFailed(Exception):
+    """The remote prefill did not deliver; prefill locally."""
+
+
+class DecodeSide:
+    def __init__(self, handoff: KVHandoff, self_address: str):
+        self._handoff = handoff
+        self._self_address = self_address
+
+    async def open_stream(self, gen: pb.GenerateRequest, prefill_address: str) -> RequestStream | None:
+        """The request's stream after a remote prefill, or None when it should be prefilled locally.
+        Raises InvalidRequestError (before anything is held) and EngineDeadError."""
+        handoff = self._handoff
+        params = sampling_params_from_proto(gen.sampling)
+        min_tokens = handoff.settings.min_remote_prefill_tokens
+        prompt, priority = list(gen.prompt_token_ids), priority_from_proto(gen.priority)
+        reservation: KVReservation | None = await handoff.engine.call(
+            lambda llm: try_reserve(llm, gen.request_id, prompt, params, priority, gen.cache_salt, min_tokens)
+        )
+        if reservation is None or not prefill_address:
+            return None
+        transfer_id = f"{gen.request_id}.{uuid.uuid4().hex[:8]}"
+        handoff.incoming[transfer_id] = reservation
+        try:
+            prefilled = await self._fill(gen, transfer_id, reservation, prefill_address)
+        except HandoffFailed as exc:
+            logger.warning("remote prefill of %s failed (%s); prefilling here", gen.request_id, exc)
+            handoff.counters.num_local_fallbacks += 1
+            await self._release(transfer_id, reservation)
+            return None
+        except BaseException:  # cancelled by the caller, or the engine died
+            await self._release(transfer_id, reservation)
+            raise
+        handoff.incoming.pop(transfer_id, None)
+        handoff.arrivals.forget(transfer_id)
+        return await handoff.engine.generate_prefilled(prefilled)
+
+    async def _fill(
+        self, gen: pb.GenerateRequest, transfer_id: str, reservation: KVReservation, prefill_address: str
+    ) -> Prefilled:
+        handoff = self._handoff
+        lease_s = handoff.settings.lease_s
+        deadline = time.monotonic() + lease_s
+        stub = handoff.peer_stub(prefill_address)
+        request = kpb.RemotePrefillRequest(
+            request=gen, transfer_id=transfer_id, decode_worker_address=self._self_address,
+            decode_agent_name=handoff.transport.name, dst_block_ids=reservation.dst_block_ids,
+            first_block_index=reservation.first_block_index, lease_s=lease_s,
+        )  # fmt: skip
+        try:
+            response = await _guarded(stub.RemotePrefill(request, timeout=lease_s), stub, transfer_id)
+        except grpc.aio.AioRpcError as exc:
+            raise HandoffFailed(f"prefill worker: {exc.code().name}") from None
+        if response.HasField("error"):
+            raise HandoffFailed(response.error.message)
+        try:
+            arrived = handoff.arrivals.expect(transfer_id, response.num_writes)
+            await asyncio.wait_for(arrived, max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise HandoffFailed(f"{response.num_writes} writes did not all arrive within the lease") from None
+        logprobs = None
+        if response.HasField("first_logprob"):
+            lp = response.first_logprob
+            logprobs = TokenLogprobs(lp.logprob, list(zip(lp.top_token_ids, lp.top_logprobs)))
+        return Prefilled(reservation.request, response.first_token_id, logprobs)
+
+    async def _release(self, transfer_id: str, reservation: KVReservation) -> None:
+        handoff = self._handoff
+        handoff.incoming.pop(transfer_id, None)
+        handoff.arrivals.forget(transfer_id)
+        try:
+            await asyncio.shield(handoff.engine.call(lambda llm: release(llm, reservation)))
+        except EngineDeadError:
+            pass
+
+
+async def _guarded(call: Awaitable[kpb.RemotePrefillResponse], stub, transfer_id: str) -> kpb.RemotePrefillResponse:
+    """Await the prefill; if that is cancelled or fails, stop the prefill worker's writes before returning,
+    so that the reserved blocks can be freed."""
+    try:
+        return await call
+    except BaseException as exc:
+        if not _peer_is_gone(exc):
+            await asyncio.shield(_abort_remote(stub, transfer_id))
+        raise
+
+
+def _peer_is_gone(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def _abort_remote(stub, transfer_id: str) -> None:
+    try:
+        await stub.AbortRemotePrefill(kpb.AbortRemotePrefillRequest(transfer_id=transfer_id),
+                                      timeout=ABORT_CALL_TIMEOUT_S)  # fmt: skip
+    except grpc.aio.AioRpcError as exc:
+        logger.warning("AbortRemotePrefill %s failed: %s", transfer_id, exc.code().name)

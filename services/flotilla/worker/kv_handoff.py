@@ -1,0 +1,104 @@
+"""What both sides of a KV hand-off share in one worker: the transport (NIXL agent over the whole KV pool),
+arrival counting, the sender hooked into the model runner, channels to peers, and counters."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+
+from flotilla.api.kvtransfer.v1 import kv_transfer_pb2 as kpb
+from flotilla.api.kvtransfer.v1 import kv_transfer_pb2_grpc
+from flotilla.engine.async_engine import AsyncEngine
+from flotilla.engine.model.kv_cache import kv_pool_tensor
+from flotilla.engine.remote_prefill import KVReservation, KVSender
+from flotilla.kv_transfer.arrivals import ArrivalTracker
+from flotilla.kv_transfer.layout import KVPoolLayout, PeerInfo
+from flotilla.kv_transfer.nixl_transport import NixlTransport
+from flotilla.kv_transfer.transport import KVTransport
+from flotilla.rpc.options import aio_channel
+from flotilla.worker.kv_settings import DisaggSettings
+
+
+@dataclass
+class HandoffCounters:
+    num_completed: int = 0
+    num_failed: int = 0
+    num_bytes_sent: int = 0
+    num_local_fallbacks: int = 0
+
+
+@dataclass
+class KVHandoff:
+    engine: AsyncEngine
+    settings: DisaggSettings
+    transport: KVTransport
+    arrivals: ArrivalTracker
+    sender: KVSender
+    counters: HandoffCounters = field(default_factory=HandoffCounters)
+    incoming: dict[str, KVReservation] = field(default_factory=dict)  # decode side: transfer id -> reservation
+    outgoing: set[str] = field(default_factory=set)  # prefill side: transfer ids in flight
+    _channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)
+    _peer_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+
+    @classmethod
+    async def start(cls, engine: AsyncEngine, settings: DisaggSettings, worker_id: str) -> KVHandoff:
+        pool = kv_pool_tensor(engine.engine.runner.kv_caches)
+        transport = await asyncio.to_thread(NixlTransport, pool, f"{worker_id}-{uuid.uuid4().hex[:8]}")
+        arrivals = ArrivalTracker()
+        transport.set_notif_handler(arrivals.on_notif)
+        sender = KVSender(transport, engine.engine.config.block_size, settings.layerwise, settings.lease_s)
+        await engine.call(lambda llm: setattr(llm.runner, "kv_hook", sender))
+        return cls(engine, settings, transport, arrivals, sender)
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        await asyncio.to_thread(self.transport.close)
+
+    def peer_stub(self, address: str) -> kv_transfer_pb2_grpc.KVTransferServiceStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = aio_channel(address)
+        return kv_transfer_pb2_grpc.KVTransferServiceStub(channel)
+
+    def transfer_info(self) -> kpb.TransferInfo:
+        info = self.transport.local_info()
+        layout = info.layout
+        return kpb.TransferInfo(
+            agent_name=info.agent_name,
+            metadata=info.metadata,
+            layout=kpb.KVPoolLayout(
+                num_layers=layout.num_layers, num_blocks=layout.num_blocks, block_bytes=layout.block_bytes,
+                base_address=layout.base_address, device_id=layout.device_id, mem_type=layout.mem_type,
+            ),
+            block_size=self.engine.engine.config.block_size,
+            model_version=self.engine.engine.model_version,
+        )  # fmt: skip
+
+    async def ensure_peer(self, agent_name: str, address: str, timeout_s: float) -> None:
+        """Connect to a decode worker's agent once; later hand-offs reuse the cached connection."""
+        if self.transport.is_connected(agent_name):
+            return
+        lock = self._peer_locks.setdefault(agent_name, asyncio.Lock())
+        async with lock:
+            if self.transport.is_connected(agent_name):
+                return
+            info = await self.peer_stub(address).GetTransferInfo(kpb.GetTransferInfoRequest(), timeout=timeout_s)
+            if info.agent_name != agent_name:
+                raise ValueError(f"{address} is agent {info.agent_name}, not {agent_name} (restarted?)")
+            if info.model_version != self.engine.engine.model_version:
+                raise ValueError(f"{address} serves model version {info.model_version}")
+            await asyncio.to_thread(self.transport.connect, _peer_info(info))
+
+
+def _peer_info(info: kpb.TransferInfo) -> PeerInfo:
+    layout = info.layout
+    return PeerInfo(
+        info.agent_name,
+        info.metadata,
+        KVPoolLayout(layout.num_layers, layout.num_blocks, layout.block_bytes, layout.base_address,
+                     layout.device_id, layout.mem_type),  # fmt: skip
+    )

@@ -1,0 +1,95 @@
+"""Prefill worker side of a hand-off: prefill the prompt (sampling only the first token) while the KV hook
+writes each layer's blocks into the decode worker's reserved blocks.
+
+Source blocks stay held until every write of a step has completed (the hook waits at the end of each step,
+at most the lease); a write that fails (the decode worker died: a disconnect error) or does not complete
+within the lease marks the hand-off failed, the request is aborted here, and its blocks are freed. A
+cancelled call (the decode worker went away) aborts it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import grpc
+
+from flotilla.api.common.v1 import common_pb2 as pb
+from flotilla.api.kvtransfer.v1 import kv_transfer_pb2 as kpb
+from flotilla.engine.async_engine import EngineDeadError
+from flotilla.engine.errors import InvalidRequestError
+from flotilla.engine.outputs import RequestOutput
+from flotilla.engine.remote_prefill import RemoteTarget
+from flotilla.rpc.convert import logprobs_to_proto, priority_from_proto, sampling_params_from_proto
+from flotilla.worker.kv_handoff import KVHandoff
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillSide:
+    def __init__(self, handoff: KVHandoff):
+        self._handoff = handoff
+
+    async def remote_prefill(
+        self, request: kpb.RemotePrefillRequest, context: grpc.aio.ServicerContext
+    ) -> kpb.RemotePrefillResponse:
+        handoff, gen = self._handoff, request.request
+        transfer_id = request.transfer_id
+        try:
+            await handoff.ensure_peer(request.decode_agent_name, request.decode_worker_address, request.lease_s or 30)
+        except (grpc.aio.AioRpcError, ValueError, RuntimeError) as exc:
+            return _failed(pb.ERROR_CODE_UNAVAILABLE, f"cannot reach decode worker: {exc}")
+        target = RemoteTarget(transfer_id, request.decode_agent_name, list(request.dst_block_ids),
+                              request.first_block_index)  # fmt: skip
+        # The engine request is keyed by the transfer id: a retried request id never collides here.
+        handoff.sender.add_target(transfer_id, target)
+        handoff.outgoing.add(transfer_id)
+        try:
+            first = await self._run_prefill(transfer_id, gen)
+        except InvalidRequestError as exc:
+            return _failed(pb.ERROR_CODE_INVALID_REQUEST, exc.message, exc.field)
+        except EngineDeadError as exc:
+            return _failed(pb.ERROR_CODE_UNAVAILABLE, str(exc))
+        finally:
+            handoff.sender.pop_target(transfer_id)
+            handoff.outgoing.discard(transfer_id)
+        if target.error is not None or first is None or not first.new_token_ids:
+            handoff.counters.num_failed += 1
+            return _failed(pb.ERROR_CODE_UNAVAILABLE, f"KV hand-off failed: {target.error or 'prefill aborted'}")
+        handoff.counters.num_completed += 1
+        handoff.counters.num_bytes_sent += target.num_bytes
+        response = kpb.RemotePrefillResponse(
+            first_token_id=first.new_token_ids[0], num_writes=target.num_writes, num_bytes=target.num_bytes,
+            num_cached_prompt_tokens=first.num_cached_prompt_tokens,
+        )  # fmt: skip
+        if first.logprobs:
+            response.first_logprob.CopyFrom(logprobs_to_proto(first.new_token_ids[:1], first.logprobs[:1])[0])
+        return response
+
+    async def _run_prefill(self, transfer_id: str, gen: pb.GenerateRequest) -> RequestOutput | None:
+        params = dataclasses.replace(sampling_params_from_proto(gen.sampling), max_tokens=1)
+        stream = await self._handoff.engine.generate(
+            transfer_id, list(gen.prompt_token_ids), params, priority_from_proto(gen.priority), gen.cache_salt
+        )
+        first = None
+        try:
+            async for output in stream:  # a cancelled call (decode worker gone) aborts it via close()
+                first = first or (output if output.new_token_ids else None)
+                if output.finished:
+                    break
+        finally:
+            stream.close()
+        return first
+
+    async def abort(self, request: kpb.AbortRemotePrefillRequest) -> kpb.AbortRemotePrefillResponse:
+        """Answered once the engine dropped the request: between steps, so no write of it is in flight."""
+        self._handoff.sender.pop_target(request.transfer_id)
+        try:
+            found = await self._handoff.engine.abort(request.transfer_id)
+        except EngineDeadError:
+            found = False
+        return kpb.AbortRemotePrefillResponse(found=found)
+
+
+def _failed(code: int, message: str, field: str = "") -> kpb.RemotePrefillResponse:
+    return kpb.RemotePrefillResponse(error=pb.Error(code=code, message=message, field=field))
