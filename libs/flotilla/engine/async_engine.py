@@ -52,6 +52,7 @@ class _Add:
     stream: RequestStream
     ack: asyncio.Future[None]
     prefilled: Prefilled | None = None  # a remote prefill's request and first token: admit it as running
+    num_previous_output_tokens: int = 0  # a resumed stream (see LLMEngine.add_request)
 
 
 class Prefilled(NamedTuple):
@@ -149,6 +150,7 @@ class AsyncEngine:
         sampling_params: SamplingParams,
         priority: Priority = Priority.INTERACTIVE,
         cache_salt: str = "",
+        num_previous_output_tokens: int = 0,
     ) -> RequestStream:
         """Add a request; raises InvalidRequestError here if the engine refuses it, else returns its stream."""
         self._check_running()
@@ -159,7 +161,8 @@ class AsyncEngine:
         stream = RequestStream(self, request_id, len(prompt_token_ids))
         self._streams[request_id] = stream
         ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._submit(_Add(request_id, list(prompt_token_ids), sampling_params, priority, cache_salt, stream, ack))
+        self._submit(_Add(request_id, list(prompt_token_ids), sampling_params, priority, cache_salt, stream, ack,
+                          num_previous_output_tokens=num_previous_output_tokens))
         try:
             await ack
         except asyncio.CancelledError:
@@ -302,6 +305,7 @@ class AsyncEngine:
                 command.sampling_params,
                 command.priority,
                 command.cache_salt,
+                command.num_previous_output_tokens,
             )
         except Exception as exc:  # validation errors (and bugs) go back to the caller, not the thread
             return _Ack(command.ack, None, exc)

@@ -83,11 +83,17 @@ class LLMEngine:
         sampling_params: SamplingParams,
         priority: Priority = Priority.INTERACTIVE,
         cache_salt: str = "",
+        num_previous_output_tokens: int = 0,
     ) -> None:
         """Validate and queue a request. Raises InvalidRequestError (or ContextLengthError) naming the field
-        before any state changes."""
+        before any state changes. `num_previous_output_tokens` (a resumed stream): the prompt's last N tokens
+        were generated before; sampling continues at output index N, text continues after theirs."""
         sampling_params.validate(max_tokens_limit=self.max_model_len)
         prompt = self._validated_prompt(prompt_token_ids)
+        num_previous = num_previous_output_tokens
+        if not isinstance(num_previous, int) or not 0 <= num_previous < len(prompt):
+            raise InvalidRequestError("num_previous_output_tokens",
+                                      f"must be in [0, {len(prompt)}), got {num_previous!r}")
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt,
@@ -95,14 +101,24 @@ class LLMEngine:
             priority=Priority(priority),
             cache_salt=cache_salt,
             eos_token_ids=tuple(self.tokenizer.eos_token_ids),
+            num_previous_output_tokens=num_previous,
         )
         self.scheduler.add_request(request)  # validates id, context window and KV capacity
-        self._tracked[request_id] = _Tracked(
+        self._tracked[request_id] = self._track(request)
+        self._num_prompt_tokens_total += len(prompt)
+
+    def _track(self, request: Request) -> _Tracked:
+        """Text state of a new request; a resumed one replays its earlier output so that the detokenizer and
+        stop checker hold back exactly what the first worker held back (nothing is sent twice or lost)."""
+        num_original = request.num_prompt_tokens - request.num_previous_output_tokens
+        tracked = _Tracked(
             request,
-            IncrementalDetokenizer(self.tokenizer, prompt_token_ids=prompt),
+            IncrementalDetokenizer(self.tokenizer, prompt_token_ids=request.prompt_token_ids[:num_original]),
             StopChecker(request, self.max_model_len),
         )
-        self._num_prompt_tokens_total += len(prompt)
+        for token_id in request.prompt_token_ids[num_original:]:
+            tracked.stop_checker.replay(tracked.detokenizer.push([token_id]))
+        return tracked
 
     # ---- remote prefill (see flotilla.engine.remote_prefill) -----------------------------------------
     def new_request(

@@ -51,6 +51,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
+    # A resumed stream: the last N prompt tokens are this request's own output from an earlier attempt (on
+    # another worker); sampling continues at output index N.
+    num_previous_output_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

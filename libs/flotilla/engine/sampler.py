@@ -41,7 +41,7 @@ def _sample_row(logits: torch.Tensor, request: Request, default_seed: int) -> in
         probs = _top_p(probs, params.top_p)
     generator = torch.Generator(device=logits.device)
     seed = params.seed if params.seed is not None else _request_seed(default_seed, request.request_id)
-    generator.manual_seed(_token_seed(seed, request.num_output_tokens))
+    generator.manual_seed(_token_seed(seed, request.num_previous_output_tokens + request.num_output_tokens))
     # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (one pass, no cumsum search).
     noise = torch.empty_like(probs).exponential_(generator=generator)
     return int(torch.argmax(probs / noise).item())

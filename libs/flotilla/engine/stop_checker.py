@@ -41,6 +41,12 @@ class StopChecker:
             return self._finish(FinishReason.LENGTH, None)
         return StopDecision(None, None, self._release(len(self._text) - self._held_back_length()))
 
+    def replay(self, old_text: str) -> None:
+        """A resumed stream: take the text of a token generated (and released) before, on another worker.
+        Releasing is deterministic in the text, so the held-back tail is the one that worker held."""
+        self._text += old_text
+        self._release(len(self._text) - self._held_back_length())
+
     def finish_with(self, final_text: str) -> str:
         """The request ended elsewhere (abort): release what was held, plus the detokenizer's tail."""
         self._text += final_text
