@@ -53,6 +53,7 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
                 sampling_params_from_proto(request.sampling),
                 priority_from_proto(request.priority),
                 request.cache_salt,
+                num_previous_output_tokens=request.num_previous_output_tokens,  # a resumed stream
             )
         except InvalidRequestError as exc:
             await context.write(invalid_request_response(exc, self.worker_id))
