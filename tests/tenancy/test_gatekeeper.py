@@ -36,21 +36,21 @@ async def test_redis_outage_then_recovery(redis_server_factory, mode):
     entry = TenantKey("k", hash_key(key), "acme", limits=Limits(tokens_per_minute=100))
     await gate.keys.create(entry)
     assert await gate.authenticate(key) == entry
-    held = await gate.reserve(entry, "r1", 60)
+    held = await gate.reserve("acme", entry.limits, "r1", 60)
 
     server.stop()
     if mode is FailMode.CLOSED:
         with pytest.raises(BackendUnavailable):
             await gate.authenticate(key)
         with pytest.raises(BackendUnavailable):
-            await gate.reserve(entry, "r2", 10)
+            await gate.reserve("acme", entry.limits, "r2", 10)
     else:
         assert await gate.authenticate(key) == entry  # remembered
         with pytest.raises(BackendUnavailable):
             await gate.authenticate(generate_key())  # never seen: cannot be checked
-        local = await gate.reserve(entry, "r2", 100)  # local limits: a fresh window in this process
+        local = await gate.reserve("acme", entry.limits, "r2", 100)  # local limits: a fresh window in this process
         with pytest.raises(QuotaExceeded):
-            await gate.reserve(entry, "r3", 1)
+            await gate.reserve("acme", entry.limits, "r3", 1)
         await gate.settle(local, 0)
     assert gate.degraded and not await gate.check()
     await gate.settle(held, 10)  # Redis down: logged, never raised
@@ -60,6 +60,6 @@ async def test_redis_outage_then_recovery(redis_server_factory, mode):
     assert not gate.degraded
     assert await gate.authenticate(key) == entry
     with pytest.raises(QuotaExceeded):  # r1's 60 tokens are still in the shared window
-        await gate.reserve(entry, "r4", 41)
-    assert (await gate.reserve(entry, "r5", 40)).decision.allowed
+        await gate.reserve("acme", entry.limits, "r4", 41)
+    assert (await gate.reserve("acme", entry.limits, "r5", 40)).decision.allowed
     await gate.close()

@@ -81,7 +81,9 @@ async def test_over_budget_is_refused_with_retry_after_and_batch_sheds_first():
     waiting = [asyncio.create_task(admission.acquire("tiny", 50, ticket=Ticket(tenant="A", num_tokens=100)))
                for _ in range(3)]
     await settle()
-    assert admission.estimated_wait_s("tiny") == pytest.approx(3.1)  # 3 x 100 queued + 10 placed
+    assert admission.estimated_wait_s("tiny", Ticket(tenant="A")) == pytest.approx(3.1)  # 3 x 100 queued + 10 placed
+    # a quiet tenant waits behind about one round of A, not A's whole backlog
+    assert admission.estimated_wait_s("tiny", Ticket(tenant="B", num_tokens=100)) == pytest.approx(1.1)
     with pytest.raises(RouterError) as refused:
         await admission.acquire("tiny", 50, ticket=Ticket(BATCH, "C", 100, max_queue_wait_s=1.0))
     assert refused.value.code == pb.ERROR_CODE_OVERLOADED and refused.value.retry_after_s == 3.0

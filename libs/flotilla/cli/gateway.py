@@ -19,6 +19,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     auth = run.add_mutually_exclusive_group(required=True)
     auth.add_argument("--keys-file", type=Path, help="JSON keys file (see `flotilla gateway-key`)")
     auth.add_argument("--no-auth", action="store_true", help="accept every request (local runs only)")
+    auth.add_argument("--redis-url", help="keys and quotas in Redis, shared by every gateway (`flotilla keys`)")
+    run.add_argument("--redis-fail-mode", choices=("open", "closed"), default="closed",
+                     help="Redis down: closed = 503; open = go on with remembered keys and per-process limits")
+    for flag, default, what in (("--wait-budget-paid-s", 30.0, "paid interactive"),
+                                ("--wait-budget-free-s", 5.0, "free interactive"),
+                                ("--wait-budget-batch-s", 2.0, "batch")):
+        run.add_argument(flag, type=float, default=default,
+                         help=f"{what}: longest estimated queue wait before 529 (default {default:g})")
     run.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     run.add_argument("--default-model", help="model used when a request names none")
     run.add_argument("--model-refresh-s", type=float, default=10.0, help="model list refresh period")
@@ -35,13 +43,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from flotilla.gateway.server import run
     from flotilla.gateway.settings import GatewaySettings
+    from flotilla.tenancy.fleet import AdmissionPolicy
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = GatewaySettings(host=args.host, port=args.port, port_file=args.port_file,
                                router_address=args.router,
                                keys_file=None if args.no_auth else args.keys_file,
                                max_body_bytes=args.max_body_bytes, default_model=args.default_model,
-                               model_refresh_s=args.model_refresh_s)
+                               model_refresh_s=args.model_refresh_s, redis_url=args.redis_url,
+                               redis_fail_mode=args.redis_fail_mode,
+                               admission=AdmissionPolicy(args.wait_budget_paid_s, args.wait_budget_free_s,
+                                                         args.wait_budget_batch_s))
     run(settings)
     return 0
 

@@ -24,6 +24,7 @@ DEFAULTS: dict[str, Any] = {
     "port": 8080,
     "workers": 1,
     "api_key": None,  # default: a fresh key each start (only its digest is written to disk)
+    "redis_url": None,  # keys and quotas in Redis (the key "local" is put there); default: keys file
     "worker_args": [],
     "router_args": [],
     "gateway_args": [],
@@ -36,6 +37,7 @@ ENV_VARS = {
     "port": "FLOTILLA_PORT",
     "workers": "FLOTILLA_WORKERS",
     "api_key": "FLOTILLA_API_KEY",
+    "redis_url": "FLOTILLA_REDIS_URL",
 }
 
 
@@ -84,7 +86,14 @@ def run_up(args: argparse.Namespace) -> int:
     _ensure_model(model_dir, default=settings["model_dir"] is None)
     api_key = settings["api_key"] or generate_key()
     keys_file = state_dir / "keys.json"
-    write_keys_file(keys_file, [KeyEntry("local", hash_key(api_key), "local", "paid")])
+    local_key = KeyEntry("local", hash_key(api_key), "local", "paid")
+    if settings["redis_url"]:
+        from flotilla.tenancy.redis_keys import put_key
+
+        put_key(settings["redis_url"], local_key)
+        keys_file = None
+    else:
+        write_keys_file(keys_file, [local_key])
     fleet = LocalFleet(
         FleetConfig(
             model_dir=model_dir,
@@ -94,6 +103,7 @@ def run_up(args: argparse.Namespace) -> int:
             gateway_port=settings["port"],
             num_workers=settings["workers"],
             keys_file=keys_file,
+            redis_url=settings["redis_url"],
             worker_args=[str(a) for a in settings["worker_args"]],
             router_args=[str(a) for a in settings["router_args"]],
             gateway_args=[str(a) for a in settings["gateway_args"]],

@@ -22,6 +22,7 @@ class FleetConfig:
     gateway_port: int = 0  # 0: any free port
     num_workers: int = 1
     keys_file: Path | None = None  # None: no authentication
+    redis_url: str | None = None  # keys and quotas in Redis instead of keys_file (FLOTILLA_REDIS_URL)
     worker_args: list[str] = field(default_factory=list)  # extra `flotilla worker` flags
     router_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
@@ -86,6 +87,8 @@ class LocalFleet:
 
     def _start_gateway(self, timeout_s: float) -> None:
         auth = ["--keys-file", str(self.config.keys_file)] if self.config.keys_file else ["--no-auth"]
+        if self.config.redis_url:
+            auth = ["--redis-url", self.config.redis_url]
         args = [
             "gateway", "--host", self.config.host, "--port", str(self.config.gateway_port),
             "--router", self.router_address, *auth, *self.config.gateway_args,

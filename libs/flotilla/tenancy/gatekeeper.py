@@ -9,6 +9,7 @@ Redis costs no timeout per request) and then tries again: recovery needs nobody.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import time
@@ -25,7 +26,7 @@ from flotilla.tenancy.key_hashing import hash_key
 from flotilla.tenancy.key_store import KeyStore
 from flotilla.tenancy.local_quota import LocalQuotaStore
 from flotilla.tenancy.quota import Decision, QuotaStore
-from flotilla.tenancy.records import TenantKey
+from flotilla.tenancy.records import Limits, TenantKey
 from flotilla.tenancy.redis_conn import call, connect
 from flotilla.tenancy.redis_keys import RedisKeyStore
 from flotilla.tenancy.redis_quota import RedisQuotaStore
@@ -68,6 +69,7 @@ class Gatekeeper:
         self._local_quotas = LocalQuotaStore(clock=clock)
         self._recent: OrderedDict[str, TenantKey] = OrderedDict()
         self._down_until = 0.0
+        self._settling: set[asyncio.Task] = set()
         self.degraded = False
 
     # ---- requests ----------------------------------------------------------------------------------
@@ -82,22 +84,34 @@ class Gatekeeper:
         self._remember(digest, entry)
         return entry
 
-    async def reserve(self, entry: TenantKey, reservation_id: str, num_tokens: int) -> Reservation:
+    async def reserve(self, tenant: str, limits: Limits, reservation_id: str, num_tokens: int) -> Reservation:
         """Reserve prompt + max_tokens; raises QuotaExceeded, or BackendUnavailable when failing closed."""
-        if entry.limits.is_unlimited:
-            return Reservation(entry.tenant, reservation_id, num_tokens, None, None)
+        if limits.is_unlimited:
+            return Reservation(tenant, reservation_id, num_tokens, None, None)
         store = self.quotas
         try:
-            decision = await self._guarded(lambda: store.reserve(entry.tenant, reservation_id, num_tokens,
-                                                                  entry.limits))
+            decision = await self._guarded(lambda: store.reserve(tenant, reservation_id, num_tokens, limits))
         except BackendUnavailable:
             if self.fail_mode is FailMode.CLOSED:
                 raise
             store = self._local_quotas
-            decision = await store.reserve(entry.tenant, reservation_id, num_tokens, entry.limits)
+            decision = await store.reserve(tenant, reservation_id, num_tokens, limits)
         if not decision.allowed:
             raise QuotaExceeded(decision)
-        return Reservation(entry.tenant, reservation_id, num_tokens, decision, store)
+        return Reservation(tenant, reservation_id, num_tokens, decision, store)
+
+    def settle_soon(self, reservation: Reservation, num_used_tokens: int) -> None:
+        """settle() in a task of its own: callers in a finally block (possibly cancelled) need not await."""
+        if reservation.store is None:
+            return
+        task = asyncio.get_running_loop().create_task(self.settle(reservation, num_used_tokens))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def drain(self) -> None:
+        """Wait for settlements in flight (tests, shutdown)."""
+        while self._settling:
+            await asyncio.gather(*list(self._settling), return_exceptions=True)
 
     async def settle(self, reservation: Reservation, num_used_tokens: int) -> None:
         """Refund what was not used and free the concurrency slot; never raises (logged instead)."""
@@ -124,6 +138,7 @@ class Gatekeeper:
         return True
 
     async def close(self) -> None:
+        await self.drain()
         await self.keys.close()
         if self.redis is not None:
             await self.redis.aclose()

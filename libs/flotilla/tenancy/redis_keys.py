@@ -6,13 +6,14 @@ the next request on. A lookup is one round trip (HGETALL).
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 import redis.asyncio as aioredis
 
 from flotilla.tenancy.errors import DuplicateKeyError, UnknownKeyError
 from flotilla.tenancy.key_hashing import hash_key
-from flotilla.tenancy.redis_conn import KEY_PREFIX, call
+from flotilla.tenancy.redis_conn import KEY_PREFIX, call, connect
 from flotilla.tenancy.records import Limits, TenantKey
 
 KEY_INDEX = KEY_PREFIX + "keyids"
@@ -80,3 +81,17 @@ class RedisKeyStore:
     async def close(self) -> None:
         if self._owns_client:
             await self.client.aclose()
+
+
+def put_key(redis_url: str, entry: TenantKey) -> None:
+    """Create `entry`, replacing a key with the same id (`flotilla up` re-keys "local" on each start)."""
+
+    async def main() -> None:
+        store = RedisKeyStore(connect(redis_url), owns_client=True)
+        try:
+            await store.revoke(entry.key_id)
+            await store.create(entry)
+        finally:
+            await store.close()
+
+    asyncio.run(main())

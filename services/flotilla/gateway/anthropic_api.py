@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from flotilla.api.common.v1 import common_pb2 as common
 from flotilla.engine.request import FinishReason
+from flotilla.gateway.admission import admit
 from flotilla.gateway.anthropic_schema import MessagesRequest
 from flotilla.gateway.auth import authenticate
 from flotilla.gateway.body import parse_body, read_body
@@ -27,7 +28,7 @@ from flotilla.gateway.sse import Events, first_event, sse_json, sse_response
 @dialect_endpoint(Dialect.ANTHROPIC)
 async def create_message(request: Request) -> Response:
     ctx = gateway_context(request)
-    principal = authenticate(request.headers, ctx.key_store)
+    principal = await authenticate(request.headers, ctx.gatekeeper)
     params = parse_body(MessagesRequest, await read_body(request, ctx.settings.max_body_bytes))
     requested = params.model or ctx.settings.default_model
     if not requested:
@@ -38,8 +39,10 @@ async def create_message(request: Request) -> Response:
                                 stop=tuple(params.stop_sequences or ()))
     prompt_ids = await tokenize(encode_messages, model.tokenizer, params)
     check_context_window(len(prompt_ids), params.max_tokens, model.max_model_len)
-    job = Job(request_id(request), model, principal, prompt_ids, sampling, arrival_time(request))
-    events = router_events(ctx.backend, job, requested, ctx.metrics)
+    admitted = await admit(request, ctx.gatekeeper, ctx.settings.admission, Dialect.ANTHROPIC, principal,
+                           request_id(request), len(prompt_ids), params.max_tokens)
+    job = Job(request_id(request), model, principal, prompt_ids, sampling, arrival_time(request), admitted.ticket)
+    events = admitted.watch(router_events(ctx.backend, job, requested, ctx.metrics))
     message_id = "msg_" + job.request_id.removeprefix("req_")
     if params.stream:
         first = await first_event(request, events)

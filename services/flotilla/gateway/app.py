@@ -19,15 +19,20 @@ from flotilla.gateway.metrics import GatewayMetrics
 from flotilla.gateway.model_registry import ModelRegistry, TokenizerLoader, load_engine_tokenizer
 from flotilla.gateway.router_client import RouterBackend
 from flotilla.gateway.settings import GatewaySettings
+from flotilla.tenancy.gatekeeper import Gatekeeper
+from flotilla.tenancy.local_quota import LocalQuotaStore
 
 
 def create_app(settings: GatewaySettings, backend: RouterBackend, key_store: KeyStore | None,
                tokenizer_loader: TokenizerLoader = load_engine_tokenizer,
-               metrics: GatewayMetrics | None = None) -> FastAPI:
-    """The app does not own `backend`: whoever made it closes it after the server stops."""
+               metrics: GatewayMetrics | None = None, gatekeeper: Gatekeeper | None = None) -> FastAPI:
+    """The app does not own `backend` or `gatekeeper`: whoever made them closes them after the server
+    stops. Without a gatekeeper, `key_store` (in memory, in-process quotas) authenticates; neither: no auth."""
     metrics = metrics or GatewayMetrics()
     registry = ModelRegistry(backend, tokenizer_loader, settings.min_refresh_gap_s)
-    context = GatewayContext(settings, backend, registry, key_store, metrics)
+    if gatekeeper is None and key_store is not None:
+        gatekeeper = Gatekeeper(key_store.as_async(), LocalQuotaStore())
+    context = GatewayContext(settings, backend, registry, key_store, metrics, gatekeeper)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -1,13 +1,21 @@
-"""API-key authentication: `x-api-key` (Anthropic style) or `Authorization: Bearer` (OpenAI style)."""
+"""API-key authentication: `x-api-key` (Anthropic style) or `Authorization: Bearer` (OpenAI style).
+
+The key resolves (through the tenancy gatekeeper: keys file or Redis) to a tenant, tier, default priority
+class, limits and prefix-cache salt. A request may ask for another class with `x-flotilla-priority`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.datastructures import Headers
 
 from flotilla.gateway.errors import ErrorKind, GatewayError
-from flotilla.gateway.keys import KeyStore
+from flotilla.tenancy.errors import BackendUnavailable
+from flotilla.tenancy.gatekeeper import Gatekeeper
+from flotilla.tenancy.records import PRIORITY_CLASSES, Limits
+
+PRIORITY_HEADER = "x-flotilla-priority"
 
 
 @dataclass(frozen=True)
@@ -15,6 +23,13 @@ class Principal:
     key_id: str
     tenant: str
     tier: str
+    priority_class: str = "interactive"
+    limits: Limits = field(default_factory=Limits)
+    cache_salt: str = ""
+
+    @property
+    def salt(self) -> str:
+        return self.cache_salt or self.tenant
 
 
 ANONYMOUS = Principal(key_id="anonymous", tenant="anonymous", tier="paid")
@@ -30,15 +45,31 @@ def api_key_from_headers(headers: Headers) -> str | None:
     return None
 
 
-def authenticate(headers: Headers, key_store: KeyStore | None) -> Principal:
-    """The caller's principal; a store of None means authentication is off (local runs)."""
-    if key_store is None:
-        return ANONYMOUS
+async def authenticate(headers: Headers, gatekeeper: Gatekeeper | None) -> Principal:
+    """The caller's principal; a gatekeeper of None means authentication is off (local runs)."""
+    priority = _requested_priority(headers)
+    if gatekeeper is None:
+        return ANONYMOUS if priority is None else Principal("anonymous", "anonymous", "paid", priority)
     key = api_key_from_headers(headers)
     if key is None:
         raise GatewayError(ErrorKind.AUTHENTICATION, "missing API key: send x-api-key or Authorization: Bearer",
                            code="invalid_api_key")
-    entry = key_store.lookup(key)
+    try:
+        entry = await gatekeeper.authenticate(key)
+    except BackendUnavailable as err:
+        raise GatewayError(ErrorKind.UNAVAILABLE, "the key store is unavailable; retry later",
+                           code="unavailable") from err
     if entry is None:
         raise GatewayError(ErrorKind.AUTHENTICATION, "invalid API key", code="invalid_api_key")
-    return Principal(entry.key_id, entry.tenant, entry.tier)
+    return Principal(entry.key_id, entry.tenant, entry.tier, priority or entry.priority_class, entry.limits,
+                     entry.cache_salt)
+
+
+def _requested_priority(headers: Headers) -> str | None:
+    value = headers.get(PRIORITY_HEADER)
+    if value is None:
+        return None
+    if value.strip().lower() not in PRIORITY_CLASSES:
+        raise GatewayError(ErrorKind.INVALID_REQUEST, f"{PRIORITY_HEADER} must be one of {PRIORITY_CLASSES}",
+                           param=PRIORITY_HEADER)
+    return value.strip().lower()

@@ -20,6 +20,7 @@ from flotilla.gateway.metrics import GatewayMetrics
 from flotilla.gateway.model_registry import ModelRegistry
 from flotilla.gateway.router_client import RouterBackend
 from flotilla.gateway.settings import GatewaySettings
+from flotilla.tenancy.gatekeeper import Gatekeeper
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ class GatewayContext:
     registry: ModelRegistry
     key_store: KeyStore | None
     metrics: GatewayMetrics
+    gatekeeper: Gatekeeper | None = None  # tenancy: keys, quotas, Redis-down policy; None = auth off
 
 
 def gateway_context(request: Request) -> GatewayContext:
@@ -98,7 +100,8 @@ class RequestContextMiddleware:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 message["headers"] = [*message.get("headers", []), (b"request-id", rid.encode()),
-                                      (b"x-request-id", rid.encode())]
+                                      (b"x-request-id", rid.encode()),
+                                      *scope.get("flotilla.response_headers", ())]  # rate-limit state
             await send(message)
 
         try:

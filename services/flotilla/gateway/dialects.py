@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 
 from starlette.responses import JSONResponse
 
@@ -25,8 +26,11 @@ def error_body(dialect: Dialect, err: GatewayError) -> dict:
 
 
 def error_response(dialect: Dialect, err: GatewayError, retry_after_s: int) -> JSONResponse:
-    headers = {"retry-after": str(retry_after_s)} if err.kind.is_retryable else None
-    return JSONResponse(error_body(dialect, err), status_code=err.kind.status, headers=headers)
+    headers = dict(err.headers)
+    if err.kind.is_retryable:
+        seconds = err.retry_after_s if err.retry_after_s is not None else retry_after_s
+        headers["retry-after"] = str(max(0, math.ceil(seconds)))
+    return JSONResponse(error_body(dialect, err), status_code=err.kind.status, headers=headers or None)
 
 
 def http_error(status: int, method: str, path: str) -> GatewayError:

@@ -46,12 +46,15 @@ class ErrorKind(enum.Enum):
 class GatewayError(Exception):
     """A request the gateway answers with an error; `param` names the offending field when there is one."""
 
-    def __init__(self, kind: ErrorKind, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, kind: ErrorKind, message: str, param: str | None = None, code: str | None = None,
+                 retry_after_s: float | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.param = param
         self.code = code
+        self.retry_after_s = retry_after_s  # None: the gateway's default Retry-After for a retryable kind
+        self.headers = headers or {}  # extra response headers (rate-limit state)
 
 
 class ClientDisconnected(Exception):
@@ -80,7 +83,8 @@ _GRPC_CODES = {
 def error_from_router(error: common.Error) -> GatewayError:
     kind, code = _ROUTER_CODES.get(error.code, (ErrorKind.INTERNAL, None))
     message = error.message or f"router error {common.ErrorCode.Name(error.code)}"
-    return GatewayError(kind, message, param=error.field or None, code=code)
+    return GatewayError(kind, message, param=error.field or None, code=code,
+                        retry_after_s=error.retry_after_s or None)
 
 
 def error_from_grpc(err: grpc.RpcError) -> GatewayError:

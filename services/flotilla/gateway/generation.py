@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 from starlette.requests import Request
@@ -26,6 +26,9 @@ from flotilla.gateway.errors import ClientDisconnected, ErrorKind, GatewayError,
 from flotilla.gateway.metrics import GatewayMetrics
 from flotilla.gateway.model_registry import ServedModel
 from flotilla.gateway.router_client import RouterBackend
+
+if TYPE_CHECKING:
+    from flotilla.gateway.admission import RouteTicket
 
 T = TypeVar("T")
 
@@ -63,16 +66,20 @@ class Job:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     started_at: float  # perf_counter at arrival, for TTFT
+    route: RouteTicket | None = None  # class, deadline, wait budget, fair-share weight (admission.py)
 
     def to_proto(self, requested_model: str) -> common.GenerateRequest:
         s = self.sampling
         sampling = common.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
                                          top_k=s.top_k, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
                                          ignore_eos=s.ignore_eos, seed=s.seed, logprobs=s.logprobs)
-        return common.GenerateRequest(request_id=self.request_id, model=requested_model,
-                                      prompt_token_ids=self.prompt_token_ids, sampling=sampling,
-                                      priority=common.PRIORITY_CLASS_INTERACTIVE,
-                                      cache_salt=self.principal.tenant, tenant_id=self.principal.tenant)
+        request = common.GenerateRequest(request_id=self.request_id, model=requested_model,
+                                         prompt_token_ids=self.prompt_token_ids, sampling=sampling,
+                                         priority=common.PRIORITY_CLASS_INTERACTIVE,
+                                         cache_salt=self.principal.salt, tenant_id=self.principal.tenant)
+        if self.route is not None:
+            self.route.apply(request)
+        return request
 
 
 def checked_sampling(**kwargs) -> SamplingParams:

@@ -19,7 +19,7 @@ CREATED_RFC3339 = "1970-01-01T00:00:00Z"
 @dialect_endpoint(Dialect.OPENAI)
 async def list_models(request: Request) -> Response:
     ctx = gateway_context(request)
-    authenticate(request.headers, ctx.key_store)
+    await authenticate(request.headers, ctx.gatekeeper)
     try:
         models = await ctx.registry.refresh()
     except GatewayError:
@@ -32,7 +32,7 @@ async def list_models(request: Request) -> Response:
 @dialect_endpoint(Dialect.OPENAI)
 async def get_model(request: Request) -> Response:
     ctx = gateway_context(request)
-    authenticate(request.headers, ctx.key_store)
+    await authenticate(request.headers, ctx.gatekeeper)
     return JSONResponse(model_entry(await ctx.registry.resolve(request.path_params["model_id"])))
 
 

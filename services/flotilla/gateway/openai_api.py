@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 from flotilla.api.common.v1 import common_pb2 as common
 from flotilla.engine.request import FinishReason
 from flotilla.gateway import openai_logprobs
+from flotilla.gateway.admission import admit
 from flotilla.gateway.auth import Principal, authenticate
 from flotilla.gateway.body import parse_body, read_body
 from flotilla.gateway.context import GatewayContext, arrival_time, dialect_endpoint, gateway_context, request_id
@@ -61,7 +62,7 @@ class Plan:
 @dialect_endpoint(Dialect.OPENAI)
 async def create_chat_completion(request: Request) -> Response:
     ctx = gateway_context(request)
-    principal = authenticate(request.headers, ctx.key_store)
+    principal = await authenticate(request.headers, ctx.gatekeeper)
     params = parse_body(ChatCompletionRequest, await read_body(request, ctx.settings.max_body_bytes))
     max_tokens = params.max_completion_tokens if params.max_completion_tokens is not None else params.max_tokens
     _require_max_tokens(max_tokens)
@@ -76,7 +77,7 @@ async def create_chat_completion(request: Request) -> Response:
 @dialect_endpoint(Dialect.OPENAI)
 async def create_completion(request: Request) -> Response:
     ctx = gateway_context(request)
-    principal = authenticate(request.headers, ctx.key_store)
+    principal = await authenticate(request.headers, ctx.gatekeeper)
     params = parse_body(CompletionRequest, await read_body(request, ctx.settings.max_body_bytes))
     _require_max_tokens(params.max_tokens)
     if params.echo:
@@ -128,8 +129,11 @@ async def _generate(request: Request, ctx: GatewayContext, plan: Plan) -> Respon
                                 top_p=_or(params.top_p, 1.0), top_k=_or(params.top_k, 0), seed=params.seed,
                                 stop=params.stop_list, logprobs=plan.num_logprobs)
     check_context_window(len(plan.prompt_ids), sampling.max_tokens, plan.model.max_model_len)
-    job = Job(request_id(request), plan.model, plan.principal, plan.prompt_ids, sampling, arrival_time(request))
-    events = router_events(ctx.backend, job, plan.requested_model, ctx.metrics)
+    admitted = await admit(request, ctx.gatekeeper, ctx.settings.admission, Dialect.OPENAI, plan.principal,
+                           request_id(request), len(plan.prompt_ids), sampling.max_tokens)
+    job = Job(request_id(request), plan.model, plan.principal, plan.prompt_ids, sampling, arrival_time(request),
+              admitted.ticket)
+    events = admitted.watch(router_events(ctx.backend, job, plan.requested_model, ctx.metrics))
     head = _Head(plan.endpoint.id_prefix + job.request_id.removeprefix("req_"), int(time.time()), plan.model.name)
     if params.stream:
         first = await first_event(request, events)

@@ -12,6 +12,7 @@ from flotilla.gateway.app import create_app
 from flotilla.gateway.keys import KeyStore
 from flotilla.gateway.router_client import RouterClient
 from flotilla.gateway.settings import GatewaySettings
+from flotilla.tenancy.gatekeeper import FailMode, Gatekeeper, open_gatekeeper
 
 log = logging.getLogger(__name__)
 
@@ -23,17 +24,29 @@ def load_key_store(settings: GatewaySettings) -> KeyStore | None:
     return KeyStore.from_file(settings.keys_file)
 
 
+def load_gatekeeper(settings: GatewaySettings) -> Gatekeeper | None:
+    """Keys and quotas in Redis when a URL is set; else the keys file (re-read when it changes) with
+    in-process quotas; neither: authentication off."""
+    if settings.redis_url:
+        return open_gatekeeper(settings.redis_url, None, FailMode(settings.redis_fail_mode))
+    if load_key_store(settings) is None:  # also validates the keys file before serving
+        return None
+    return open_gatekeeper(None, str(settings.keys_file))
+
+
 async def serve(settings: GatewaySettings, sockets: list[socket.socket] | None = None) -> None:
     """Serve until interrupted; `sockets` lets a caller bind first (port 0, tests)."""
-    key_store = load_key_store(settings)
+    gatekeeper = load_gatekeeper(settings)
     backend = RouterClient(settings.router_address, settings.router_timeout_s)
     try:
-        app = create_app(settings, backend, key_store)
+        app = create_app(settings, backend, None, gatekeeper=gatekeeper)
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                                 timeout_graceful_shutdown=5, lifespan="on")
         await uvicorn.Server(config).serve(sockets=sockets)
     finally:
         await backend.close()
+        if gatekeeper is not None:
+            await gatekeeper.close()
 
 
 def run(settings: GatewaySettings) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from flotilla.tenancy.fleet import AdmissionPolicy
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -21,6 +23,9 @@ class GatewaySettings:
     min_refresh_gap_s: float = 1.0  # unknown-model refreshes are throttled to one per gap
     retry_after_s: int = 1  # Retry-After on 503/529 answers
     router_timeout_s: float = 5.0  # unary router calls (ListModels)
+    redis_url: str | None = None  # keys and quotas in Redis (shared by every gateway); else keys_file + local
+    redis_fail_mode: str = "closed"  # Redis down: "closed" answers 503, "open" goes on with local limits
+    admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)  # wait budgets, deadlines, weights
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
@@ -29,5 +34,7 @@ class GatewaySettings:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.model_refresh_s <= 0 or self.min_refresh_gap_s < 0:
             raise ValueError("model_refresh_s must be > 0 and min_refresh_gap_s >= 0")
+        if self.redis_fail_mode not in ("open", "closed"):
+            raise ValueError(f"redis_fail_mode must be 'open' or 'closed', got {self.redis_fail_mode!r}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")

@@ -82,10 +82,12 @@ class _ModelQueues:
         for queue in self.classes.values():
             yield from queue
 
-    def tokens_ahead(self, priority: int) -> int:
-        """Tokens queued in this class and the classes served before it."""
-        ahead = CLASS_ORDER[: CLASS_ORDER.index(priority) + 1]
-        return sum(self.classes[c].num_tokens for c in ahead)
+    def tokens_ahead(self, ticket: Ticket) -> int:
+        """Tokens served before a new request would be: everything in the classes served before its own,
+        and in its own class what fair queueing puts ahead of it."""
+        index = CLASS_ORDER.index(ticket.priority)
+        before = sum(self.classes[c].num_tokens for c in CLASS_ORDER[:index])
+        return before + self.classes[ticket.priority].tokens_ahead(ticket.tenant, ticket.num_tokens, ticket.weight)
 
     def has_waiters_ahead(self, priority: int) -> bool:
         return any(len(self.classes[c]) for c in CLASS_ORDER[: CLASS_ORDER.index(priority) + 1])
@@ -131,13 +133,13 @@ class Admission:
         queues = self._queues.get(name)
         return sum(w.num_prompt_tokens for w in queues.waiters() if not w.future.done()) if queues else 0
 
-    def estimated_wait_s(self, name: str, priority: int = pb.PRIORITY_CLASS_INTERACTIVE) -> float | None:
+    def estimated_wait_s(self, name: str, ticket: Ticket | None = None) -> float | None:
         """Tokens ahead (router queue + prompts not yet computed on the workers) / measured throughput;
         None while the fleet's throughput is unmeasured."""
         self._observe_throughput()
         queues = self._queues.get(name)
         workers = [e for e in self._registry.workers() if e.model_name == name and self._registry.is_healthy(e)]
-        ahead = (queues.tokens_ahead(priority) if queues else 0) + sum(
+        ahead = (queues.tokens_ahead(ticket or Ticket()) if queues else 0) + sum(
             self._registry.load_of(e).num_queued_tokens for e in workers)
         return estimated_wait_s(ahead, self.throughput.tokens_per_s(e.worker_id for e in workers))
 
@@ -172,7 +174,7 @@ class Admission:
     def _check_wait_budget(self, name: str, ticket: Ticket) -> None:
         if ticket.max_queue_wait_s <= 0:
             return
-        wait_s = self.estimated_wait_s(name, ticket.priority)
+        wait_s = self.estimated_wait_s(name, ticket)
         if wait_s is not None and wait_s > ticket.max_queue_wait_s:
             raise RouterError(pb.ERROR_CODE_OVERLOADED,
                               f"{name!r} is overloaded: estimated queue wait {wait_s:.1f} s exceeds this "
@@ -180,7 +182,7 @@ class Admission:
                               retry_after_s=overload_retry_after_s(wait_s, ticket.max_queue_wait_s))
 
     def _retry_after(self, name: str, ticket: Ticket) -> float:
-        wait_s = self.estimated_wait_s(name, ticket.priority)
+        wait_s = self.estimated_wait_s(name, ticket)
         return overload_retry_after_s(wait_s or 0.0, ticket.max_queue_wait_s)
 
     def _observe_throughput(self) -> None:
@@ -241,8 +243,8 @@ class Admission:
         return max(0.0, budget) if math.isfinite(budget) else self._max_queue_wait_s
 
     def _timeout_error(self, name: str, deadline_unix_s: float = 0.0) -> RouterError:
+        if not self._registry.has_healthy_worker(name):  # says more than a missed deadline: retry later
+            return RouterError(pb.ERROR_CODE_UNAVAILABLE, f"no healthy worker serves {name!r} now")
         if 0 < deadline_unix_s <= self._wall_clock():
             return RouterError(pb.ERROR_CODE_DEADLINE_EXCEEDED, "the request's deadline passed while it was queued")
-        if not self._registry.has_healthy_worker(name):
-            return RouterError(pb.ERROR_CODE_UNAVAILABLE, f"no healthy worker serves {name!r} now")
         return RouterError(pb.ERROR_CODE_OVERLOADED, f"every worker serving {name!r} is busy")

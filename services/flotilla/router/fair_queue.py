@@ -37,12 +37,24 @@ class FairQueue(Generic[W]):
         self._turn: str | None = None  # the front tenant once its turn's credit was granted
         self._len = 0
         self.num_tokens = 0  # cost of everything queued
+        self._tenant_tokens: dict[str, int] = {}
+        self._weights: dict[str, int] = {}
 
     def push(self, item: W) -> None:
         self._active.setdefault(item.tenant, deque()).append(item)
         self._deficit.setdefault(item.tenant, 0)
         self._len += 1
         self.num_tokens += item.cost
+        self._tenant_tokens[item.tenant] = self._tenant_tokens.get(item.tenant, 0) + item.cost
+        self._weights[item.tenant] = max(1, item.weight)
+
+    def tokens_ahead(self, tenant: str, cost: int, weight: int) -> int:
+        """Roughly the tokens served before a new request of `tenant` would finish waiting: its own
+        queue, and from every other tenant at most its weighted share of the same amount (round robin)."""
+        own = self._tenant_tokens.get(tenant, 0) + cost
+        share = own / max(1, weight)
+        others = sum(min(tokens, share * self._weights[t]) for t, tokens in self._tenant_tokens.items() if t != tenant)
+        return int(own - cost + others)
 
     def peek(self) -> W | None:
         while self._active:
@@ -78,9 +90,12 @@ class FairQueue(Generic[W]):
     def _remove(self, tenant: str, item: W) -> None:
         self._len -= 1
         self.num_tokens -= item.cost
+        self._tenant_tokens[tenant] -= item.cost
         if not self._active[tenant]:
             del self._active[tenant]
             del self._deficit[tenant]
+            del self._tenant_tokens[tenant]
+            del self._weights[tenant]
             if self._turn == tenant:
                 self._turn = None
 
