@@ -1,0 +1,98 @@
+"""kopf handlers for InferencePool: flat functions that take what they need; registered on a registry so
+tests run the real operator with their own settings.
+
+- create/update/resume: the Deployment and the headless Service exist and match the spec (create-or-patch:
+  idempotent, no resourceVersion needed); replicas start at min + warm and are then owned by the timer.
+- timer: rescale from the router's signals with the control law and write the status.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import grpc
+import kopf
+
+from flotilla.autoscaler.router_client import RouterClient
+from flotilla.operator import manifests
+from flotilla.operator.config import OperatorConfig
+from flotilla.operator.kube import Kube, api_client
+from flotilla.operator.pool_spec import GROUP, PLURAL, VERSION, InvalidPoolSpec, PoolSpec, parse_spec
+from flotilla.operator.scaler import rescale
+
+
+def register_handlers(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
+    kube = Kube(api_client(config.kube_host))
+    routers: dict[str, RouterClient] = {}
+
+    def router_for(spec: PoolSpec) -> RouterClient | None:
+        address = spec.router_address or config.router_address
+        if not address:
+            return None
+        if address not in routers:
+            routers[address] = RouterClient(address)
+        return routers[address]
+
+    if config.kube_host:
+        @kopf.on.login(registry=registry)
+        def login(**_: Any) -> kopf.ConnectionInfo:
+            return kopf.ConnectionInfo(server=config.kube_host)
+
+    @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
+    @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry)
+    @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
+    def reconcile(body: kopf.Body, spec: kopf.Spec, patch: kopf.Patch, logger, **_: Any) -> None:
+        pool = _parse(spec)
+        raw = _raw(body)
+        meta = raw["metadata"]
+        existing = kube.read_deployment(meta["namespace"], manifests.worker_name(meta["name"]))
+        initial = pool.policy.min_replicas + pool.policy.warm_replicas
+        address = pool.router_address or config.router_address
+        kube.apply_deployment(manifests.deployment(raw, pool, initial, address), keep_replicas=existing is not None)
+        kube.apply_service(manifests.service(raw, pool))
+        if existing is None:
+            patch.status["desiredReplicas"] = initial
+            patch.status["lastDecision"] = {"reason": f"created with min {pool.policy.min_replicas} + "
+                                                      f"warm {pool.policy.warm_replicas} replicas"}
+        logger.info("InferencePool %s reconciled", meta["name"])
+
+    @kopf.timer(GROUP, VERSION, PLURAL, interval=config.interval_s, registry=registry)
+    def rescale_pool(body: kopf.Body, spec: kopf.Spec, status: kopf.Status, patch: kopf.Patch, logger,
+                     **_: Any) -> None:
+        pool = _parse(spec)
+        meta = _raw(body)["metadata"]
+        name = manifests.worker_name(meta["name"])
+        deployment = kube.read_deployment(meta["namespace"], name)
+        if deployment is None:
+            return  # the create handler has not run yet
+        router = router_for(pool)
+        if router is None:
+            return  # no signals: the pool stays at min + warm
+        current = deployment["spec"]["replicas"] or 0
+        try:
+            result = rescale(pool, dict(status), router, current, time.time())
+        except grpc.RpcError as error:
+            raise kopf.TemporaryError(f"router unreachable: {error.code()}", delay=config.interval_s)
+        for worker_id in result.drained:  # drained: let the ReplicaSet remove exactly these pods first
+            kube.annotate_pod(meta["namespace"], worker_id, manifests.DELETION_COST_ANNOTATION,
+                              manifests.DRAINED_DELETION_COST)
+        if result.replicas != current:
+            kube.scale_deployment(meta["namespace"], name, result.replicas)
+            logger.info("InferencePool %s: %d -> %d replicas: %s", meta["name"], current, result.replicas,
+                        result.decision.reason)
+        ready = (deployment.get("status") or {}).get("ready_replicas") or 0
+        for key, value in result.status(ready).items():
+            patch.status[key] = value
+
+
+def _parse(spec: kopf.Spec) -> PoolSpec:
+    try:
+        return parse_spec(dict(spec))
+    except InvalidPoolSpec as error:
+        raise kopf.PermanentError(str(error)) from None
+
+
+def _raw(body: kopf.Body) -> dict[str, Any]:
+    return {"metadata": {"name": body.metadata.name, "namespace": body.metadata.namespace,
+                         "uid": body.metadata.uid}}

@@ -1,0 +1,104 @@
+"""Manifest builders, pure: an InferencePool to its worker Deployment and Service (dicts, no cluster)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flotilla.operator.pool_spec import GROUP, KIND, VERSION, PoolSpec
+
+POOL_LABEL = "flotilla.dev/pool"
+ROLE_LABEL = "flotilla.dev/role"
+# The ReplicaSet deletes pods with the lowest cost first: a drained worker gets this before a scale-down.
+DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
+DRAINED_DELETION_COST = "-1000"
+
+
+def owner_reference(body: dict[str, Any]) -> dict[str, Any]:
+    """The pool owns what it creates: deleting the pool garbage-collects them (in a real cluster)."""
+    meta = body["metadata"]
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": meta["name"], "uid": meta["uid"],
+        "controller": True, "blockOwnerDeletion": True,
+    }
+
+
+def labels(pool_name: str, spec: PoolSpec) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "flotilla-worker", "app.kubernetes.io/managed-by": "flotilla-operator",
+        POOL_LABEL: pool_name, ROLE_LABEL: spec.role,
+    }
+
+
+def worker_name(pool_name: str) -> str:
+    return f"{pool_name}-workers"
+
+
+def deployment(body: dict[str, Any], spec: PoolSpec, replicas: int, router_address: str) -> dict[str, Any]:
+    name = body["metadata"]["name"]
+    selector = {POOL_LABEL: name}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": worker_name(name), "namespace": body["metadata"]["namespace"],
+            "labels": labels(name, spec), "ownerReferences": [owner_reference(body)],
+        },
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector},
+            # The operator drains before it lowers replicas; a rollout must not kill streams either.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {
+                "metadata": {"labels": labels(name, spec)},
+                "spec": {
+                    "terminationGracePeriodSeconds": 120,
+                    "containers": [_container(spec, router_address)],
+                },
+            },
+        },
+    }
+
+
+def _container(spec: PoolSpec, router_address: str) -> dict[str, Any]:
+    port = spec.worker.port
+    args = [
+        "worker", "--host", "0.0.0.0", "--port", str(port), "--advertise-host", "$(POD_IP)",
+        "--worker-id", "$(POD_NAME)", "--router", router_address,
+        "--model-dir", spec.model.checkpoint, "--model-name", spec.model.name, *spec.worker.args,
+    ]  # fmt: skip
+    env = [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        *spec.worker.env,
+    ]
+    container: dict[str, Any] = {
+        "name": "worker", "image": spec.worker.image, "command": ["flotilla"], "args": args, "env": env,
+        "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"}],
+        "readinessProbe": {"tcpSocket": {"port": "grpc"}, "periodSeconds": 5},
+    }
+    if spec.worker.resources:
+        container["resources"] = _quantities_as_strings(spec.worker.resources)
+    return container
+
+
+def _quantities_as_strings(resources: dict[str, Any]) -> dict[str, Any]:
+    """Quantities are int-or-string in the CRD (`nvidia.com/gpu: 1`); the Pod API wants strings."""
+    return {kind: {name: str(value) for name, value in amounts.items()} for kind, amounts in resources.items()}
+
+
+def service(body: dict[str, Any], spec: PoolSpec) -> dict[str, Any]:
+    """Headless: the router dials each worker by the address it registers; the Service gives them DNS."""
+    name = body["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": worker_name(name), "namespace": body["metadata"]["namespace"],
+            "labels": labels(name, spec), "ownerReferences": [owner_reference(body)],
+        },
+        "spec": {
+            "clusterIP": "None",
+            "selector": {POOL_LABEL: name},
+            "ports": [{"name": "grpc", "port": spec.worker.port, "targetPort": "grpc", "protocol": "TCP"}],
+        },
+    }

@@ -1,0 +1,87 @@
+"""An InferencePool's spec, typed: the policy for the control law and what the worker pods run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from flotilla.api.common.v1 import common_pb2 as pb
+from flotilla.autoscaler.policy import PoolPolicy
+
+GROUP = "flotilla.dev"
+VERSION = "v1alpha1"
+PLURAL = "inferencepools"
+KIND = "InferencePool"
+ROLES = {"both": pb.WORKER_ROLE_BOTH, "prefill": pb.WORKER_ROLE_PREFILL, "decode": pb.WORKER_ROLE_DECODE}
+
+
+class InvalidPoolSpec(ValueError):
+    """The spec cannot be reconciled (the CRD schema should have caught it; an operator never trusts that)."""
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    name: str
+    version: str
+    checkpoint: str  # path inside the pod (a volume) where the Hugging Face checkpoint lives
+
+
+@dataclass(frozen=True)
+class WorkerTemplate:
+    image: str
+    resources: dict[str, Any] = field(default_factory=dict)
+    args: tuple[str, ...] = ()  # extra `flotilla worker` flags
+    env: tuple[dict[str, Any], ...] = ()
+    port: int = 50051
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    model: ModelRef
+    role: str
+    policy: PoolPolicy
+    worker: WorkerTemplate
+    router_address: str  # "" : the operator's default
+    signals_window_s: float
+
+
+def parse_spec(spec: dict[str, Any]) -> PoolSpec:
+    try:
+        model = spec["model"]
+        replicas = spec.get("replicas", {})
+        targets = spec.get("targets", {})
+        scaling = spec.get("scaling", {})
+        worker = spec["worker"]
+        role = spec.get("role", "both")
+        if role not in ROLES:
+            raise InvalidPoolSpec(f"role must be one of {sorted(ROLES)}, not {role!r}")
+        policy = PoolPolicy(
+            min_replicas=int(replicas.get("min", 1)),
+            max_replicas=int(replicas.get("max", 4)),
+            warm_replicas=int(replicas.get("warm", 0)),
+            target_queued_tokens_per_replica=int(targets.get("queuedTokensPerReplica", 2048)),
+            target_kv_utilisation=float(targets.get("kvUtilisation", 0.8)),
+            ttft_p95_slo_s=float(targets.get("ttftP95Seconds", 2.0)),
+            scale_up_cooldown_s=float(scaling.get("scaleUpCooldownSeconds", 0)),
+            scale_down_cooldown_s=float(scaling.get("scaleDownCooldownSeconds", 300)),
+            hysteresis=float(scaling.get("hysteresis", 0.2)),
+            max_scale_down_step=int(scaling.get("maxScaleDownStep", 1)),
+        )
+        return PoolSpec(
+            model=ModelRef(model["name"], model.get("version", ""), model["checkpoint"]),
+            role=role,
+            policy=policy,
+            worker=WorkerTemplate(
+                image=worker["image"],
+                resources=dict(worker.get("resources", {})),
+                args=tuple(str(a) for a in worker.get("args", [])),
+                env=tuple(worker.get("env", [])),
+                port=int(worker.get("port", 50051)),
+            ),
+            router_address=spec.get("routerAddress", ""),
+            signals_window_s=float(scaling.get("signalsWindowSeconds", 60)),
+        )
+    except (KeyError, TypeError, ValueError) as error:
+        if isinstance(error, InvalidPoolSpec):
+            raise
+        raise InvalidPoolSpec(f"bad InferencePool spec: {error!r}") from None

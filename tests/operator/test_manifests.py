@@ -1,0 +1,44 @@
+"""Manifest builders and spec parsing, pure: no cluster."""
+
+from __future__ import annotations
+
+import pytest
+
+from flotilla.operator.manifests import deployment, service
+from flotilla.operator.pool_spec import InvalidPoolSpec, parse_spec
+
+BODY = {"metadata": {"name": "p", "namespace": "ns", "uid": "u1"}}
+SPEC = {
+    "model": {"name": "m", "version": "v1", "checkpoint": "/models/m"},
+    "role": "prefill",
+    "replicas": {"min": 2, "max": 8, "warm": 1},
+    "worker": {"image": "img:1.0", "args": ["--block-size", 32], "resources": {"limits": {"cpu": 2}}},
+}
+
+
+def test_spec_parses_into_the_control_law_policy():
+    pool = parse_spec(SPEC)
+    assert (pool.policy.min_replicas, pool.policy.max_replicas, pool.policy.warm_replicas) == (2, 8, 1)
+    assert pool.worker.args == ("--block-size", "32") and pool.role == "prefill"
+
+
+@pytest.mark.parametrize("bad", [
+    {**SPEC, "role": "both-ish"}, {**SPEC, "replicas": {"min": 3, "max": 2}}, {k: v for k, v in SPEC.items() if k != "model"},
+])
+def test_bad_spec_raises(bad):
+    with pytest.raises(InvalidPoolSpec):
+        parse_spec(bad)
+
+
+def test_deployment_and_service_are_owned_labelled_and_selected_alike():
+    pool = parse_spec(SPEC)
+    dep = deployment(BODY, pool, 3, "router:50050")
+    svc = service(BODY, pool)
+    assert dep["spec"]["replicas"] == 3
+    assert dep["metadata"]["ownerReferences"][0]["uid"] == "u1" == svc["metadata"]["ownerReferences"][0]["uid"]
+    assert dep["spec"]["selector"]["matchLabels"] == svc["spec"]["selector"]
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert all(labels[k] == v for k, v in svc["spec"]["selector"].items())
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"] == {"limits": {"cpu": "2"}}
+    assert container["args"][-2:] == ["--block-size", "32"] and "$(POD_NAME)" in container["args"]
