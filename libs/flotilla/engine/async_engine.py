@@ -305,7 +305,8 @@ class AsyncEngine:
                 command.sampling_params,
                 command.priority,
                 command.cache_salt,
-                command.num_previous_output_tokens,
+                # only when resuming: engines without resume support (test fakes) keep working
+                **({"num_previous_output_tokens": n} if (n := command.num_previous_output_tokens) else {}),
             )
         except Exception as exc:  # validation errors (and bugs) go back to the caller, not the thread
             return _Ack(command.ack, None, exc)
