@@ -30,6 +30,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     run.add_argument("--default-model", help="model used when a request names none")
     run.add_argument("--model-refresh-s", type=float, default=10.0, help="model list refresh period")
+    run.add_argument("--usage-log", type=Path, default=None,
+                     help="usage ledger as a JSON-lines file when there is no --redis-url (default: off)")
+    run.add_argument("--stream-resume-grace-s", type=float, default=30.0,
+                     help="how long a resumable stream (x-flotilla-resumable) waits for its client to reconnect")
     run.set_defaults(func=_run)
 
     key = subparsers.add_parser("gateway-key", help="generate an API key and add its digest to a keys file")
@@ -51,9 +55,13 @@ def _run(args: argparse.Namespace) -> int:
                                keys_file=None if args.no_auth else args.keys_file,
                                max_body_bytes=args.max_body_bytes, default_model=args.default_model,
                                model_refresh_s=args.model_refresh_s, redis_url=args.redis_url,
-                               redis_fail_mode=args.redis_fail_mode,
+                               redis_fail_mode=args.redis_fail_mode, usage_log=args.usage_log,
+                               stream_resume_grace_s=args.stream_resume_grace_s,
                                admission=AdmissionPolicy(args.wait_budget_paid_s, args.wait_budget_free_s,
                                                          args.wait_budget_batch_s))
+    from flotilla.observability.setup import setup_observability
+
+    setup_observability("flotilla-gateway")
     run(settings)
     return 0
 

@@ -27,6 +27,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     worker.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
     worker.add_argument("--num-host-kv-blocks", type=int, default=0, help="host blocks for swap preemption")
     worker.add_argument("--seed", type=int, default=0)
+    worker.add_argument("--role", choices=("both", "prefill", "decode"), default="both",
+                        help="both: colocated; prefill/decode: one side of disaggregated serving (KV over NIXL)")
+    worker.add_argument("--min-remote-prefill-tokens", type=int, default=32,
+                        help="decode role: a shorter uncached prompt remainder is prefilled on the decode worker")
+    worker.add_argument("--kv-lease-s", type=float, default=30.0, help="longest a KV hand-off may take")
+    worker.add_argument("--kv-write-after-prefill", action="store_true",
+                        help="prefill role: one write per layer after the forward pass, not layer by layer")
     worker.set_defaults(func=run_worker)
 
     router = subparsers.add_parser("router", help="place requests on workers and relay their streams")
@@ -48,12 +55,16 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=0, help="0: pick a free port and announce it")
     parser.add_argument("--port-file", default=None, help="write the bound port here once serving")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus /metrics on --host:PORT (0: any free port); default off")
+    parser.add_argument("--metrics-port-file", default=None, help="write the bound metrics port here")
 
 
 def run_worker(args: argparse.Namespace) -> int:
     from flotilla.engine.config import EngineConfig
     from flotilla.worker.config import WorkerConfig
     from flotilla.worker.server import serve
+    from flotilla.worker.kv_settings import DisaggSettings
 
     _configure_logging(args.log_level)
     engine = EngineConfig(
@@ -80,7 +91,14 @@ def run_worker(args: argparse.Namespace) -> int:
         worker_id=args.worker_id,
         model_name=args.model_name,
         router_address=args.router,
+        metrics_port=args.metrics_port,
+        metrics_port_file=args.metrics_port_file,
+        disagg=DisaggSettings(args.role, args.min_remote_prefill_tokens, args.kv_lease_s,
+                              layerwise=not args.kv_write_after_prefill),
     )
+    from flotilla.observability.setup import setup_observability
+
+    setup_observability("flotilla-worker")
     asyncio.run(serve(config))
     return 0
 
@@ -101,7 +119,12 @@ def run_router(args: argparse.Namespace) -> int:
         max_queue_depth=args.max_queue_depth,
         max_queue_wait_s=args.max_queue_wait_s,
         limits=PlacementLimits(args.max_queued_tokens_per_worker, args.max_requests_per_worker),
+        metrics_port=args.metrics_port,
+        metrics_port_file=args.metrics_port_file,
     )
+    from flotilla.observability.setup import setup_observability
+
+    setup_observability("flotilla-router")
     asyncio.run(serve(config))
     return 0
 

@@ -5,10 +5,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from flotilla.fleet.process import ProcessFailed, ServiceProcess
+
+if TYPE_CHECKING:
+    from flotilla.autoscaler.policy import PoolPolicy
+    from flotilla.autoscaler.supervisor import LocalSupervisor
+from flotilla.rpc.options import read_port_file
 
 START_TIMEOUT_S = 180.0  # a worker loads weights and allocates its KV pool before it serves
 
@@ -21,12 +27,20 @@ class FleetConfig:
     host: str = "127.0.0.1"
     gateway_port: int = 0  # 0: any free port
     num_workers: int = 1
+    # Disaggregated serving: workers with role prefill / decode (KV over NIXL), in addition to num_workers.
+    num_prefill_workers: int = 0
+    num_decode_workers: int = 0
     keys_file: Path | None = None  # None: no authentication
     redis_url: str | None = None  # keys and quotas in Redis instead of keys_file (FLOTILLA_REDIS_URL)
     worker_args: list[str] = field(default_factory=list)  # extra `flotilla worker` flags
     router_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    # None: a fixed set of num_workers workers. A policy: the local supervisor scales the workers between
+    # its min and max and keeps its warm workers loaded out of rotation (num_workers start active).
+    autoscale: PoolPolicy | None = None
+    autoscale_interval_s: float = 0.1
+    metrics: bool = True  # router and workers serve Prometheus /metrics on free ports (see metrics_targets)
 
 
 class LocalFleet:
@@ -38,6 +52,7 @@ class LocalFleet:
         self.router_address = ""
         self.gateway_url = ""
         self._next_worker = 0
+        self.supervisor: LocalSupervisor | None = None
 
     @property
     def model_name(self) -> str:
@@ -49,10 +64,15 @@ class LocalFleet:
             self._start_router(timeout_s)
             for _ in range(self.config.num_workers):
                 self.start_worker(wait=False)
+            for role, count in (("prefill", self.config.num_prefill_workers), ("decode", self.config.num_decode_workers)):
+                for _ in range(count):
+                    self.start_worker(wait=False, extra_args=["--role", role])
             for worker in self.workers:
                 worker.wait_port(timeout_s)
             self._start_gateway(timeout_s)
             self.wait_ready(timeout_s)
+            if self.config.autoscale is not None:
+                self._start_supervisor()
         except BaseException:
             self.stop()
             raise
@@ -65,18 +85,39 @@ class LocalFleet:
         )
 
     def _start_router(self, timeout_s: float) -> None:
-        args = ["router", "--host", self.config.host, "--model", self.model_name, *self.config.router_args]
+        args = ["router", "--host", self.config.host, "--model", self.model_name, *self._metrics_args("router"),
+                *self.config.router_args]
         self.router = self._service("router", args)
         self.router.start()
         self.router_address = f"{self.config.host}:{self.router.wait_port(timeout_s)}"
 
+    def _start_supervisor(self) -> None:
+        from flotilla.autoscaler.fleet_launcher import FleetLauncher
+        from flotilla.autoscaler.router_client import RouterClient
+        from flotilla.autoscaler.supervisor import LocalSupervisor, SupervisorConfig
+
+        config = SupervisorConfig(self.model_name, self.config.autoscale, self.config.autoscale_interval_s)
+        self.supervisor = LocalSupervisor(config, RouterClient(self.router_address), FleetLauncher(self))
+        self.supervisor.start()
+
+    def next_worker_id(self) -> str:
+        return f"worker-{self._next_worker}"
+
+    def retire_worker(self, name: str) -> ServiceProcess | None:
+        """Forget a worker (the autoscaler stops it); None when no such worker."""
+        for worker in self.workers:
+            if worker.name == name:
+                self.workers.remove(worker)
+                return worker
+        return None
+
     def start_worker(self, wait: bool = True, extra_args: list[str] | None = None) -> ServiceProcess:
-        name = f"worker-{self._next_worker}"
+        name = self.next_worker_id()
         self._next_worker += 1
         args = [
             "worker", "--host", self.config.host, "--router", self.router_address, "--worker-id", name,
             "--model-dir", str(self.config.model_dir), "--model-name", self.model_name,
-            *self.config.worker_args, *(extra_args or []),
+            *self._metrics_args(name), *self.config.worker_args, *(extra_args or []),
         ]  # fmt: skip
         worker = self._service(name, args)
         worker.start()
@@ -96,6 +137,28 @@ class LocalFleet:
         self.gateway = self._service("gateway", args)
         self.gateway.start()
         self.gateway_url = f"http://{self.config.host}:{self.gateway.wait_port(timeout_s)}"
+
+    def _metrics_port_file(self, name: str) -> Path:
+        return Path(self.config.state_dir) / "ports" / f"{name}.metrics.port"
+
+    def _metrics_args(self, name: str) -> list[str]:
+        if not self.config.metrics:
+            return []
+        port_file = self._metrics_port_file(name)
+        port_file.unlink(missing_ok=True)
+        return ["--metrics-port", "0", "--metrics-port-file", str(port_file)]
+
+    def metrics_targets(self) -> dict[str, str]:
+        """host:port of every running service's /metrics endpoint, by service name (the gateway serves it on
+        its own port; router and workers on the ports they wrote once serving)."""
+        targets = {}
+        if self.gateway is not None and self.gateway.port is not None:
+            targets["gateway"] = f"{self.config.host}:{self.gateway.port}"
+        for service in [self.router, *self.workers]:
+            port = read_port_file(self._metrics_port_file(service.name)) if service is not None else None
+            if port is not None and service.is_running():
+                targets[service.name] = f"{self.config.host}:{port}"
+        return targets
 
     def wait_ready(self, timeout_s: float) -> None:
         """Until /readyz says the router is reachable and serves a model."""
@@ -117,6 +180,9 @@ class LocalFleet:
 
     def stop(self) -> None:
         """Front to back: the gateway stops taking requests first, the router last."""
+        if self.supervisor is not None:
+            self.supervisor.stop()  # no scaling while the fleet goes down
+            self.supervisor = None
         for service in self.services():
             service.stop()
 

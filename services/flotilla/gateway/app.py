@@ -43,7 +43,9 @@ def create_app(settings: GatewaySettings, backend: RouterBackend, key_store: Key
             refresher.cancel()
             await asyncio.gather(refresher, return_exceptions=True)
 
-    app = FastAPI(title="Flotilla gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # FastAPI's own spans are off: RequestContextMiddleware opens the request's root span (gateway.request).
+    app = FastAPI(title="Flotilla gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  telemetry={"tracing": False})
     app.state.gateway = context
     _add_routes(app)
     app.add_exception_handler(StarletteHTTPException, _http_exception)

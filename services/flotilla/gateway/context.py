@@ -21,6 +21,7 @@ from flotilla.gateway.model_registry import ModelRegistry
 from flotilla.gateway.router_client import RouterBackend
 from flotilla.gateway.settings import GatewaySettings
 from flotilla.tenancy.gatekeeper import Gatekeeper
+from flotilla.gateway.telemetry import http_request_span
 
 log = logging.getLogger(__name__)
 
@@ -104,12 +105,15 @@ class RequestContextMiddleware:
                                       *scope.get("flotilla.response_headers", ())]  # rate-limit state
             await send(message)
 
-        try:
-            await self.app(scope, receive, send_with_id)
-        finally:
-            route = _route_label(scope)
-            self.metrics.requests.labels(route, scope["method"], str(status)).inc()
-            self.metrics.request_seconds.labels(route).observe(time.perf_counter() - scope["flotilla.arrival"])
+        with http_request_span(scope, rid) as span:  # the root span of the request's trace
+            try:
+                await self.app(scope, receive, send_with_id)
+            finally:
+                route = _route_label(scope)
+                self.metrics.requests.labels(route, scope["method"], str(status)).inc()
+                self.metrics.request_seconds.labels(route).observe(time.perf_counter() - scope["flotilla.arrival"])
+                if span is not None:
+                    span.set_attributes({"http.route": route, "http.response.status_code": status})
 
 
 def _route_label(scope: Scope) -> str:

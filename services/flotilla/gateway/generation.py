@@ -8,7 +8,6 @@ that reads it, cancels the gRPC call so the engine aborts the request.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -26,6 +25,8 @@ from flotilla.gateway.errors import ClientDisconnected, ErrorKind, GatewayError,
 from flotilla.gateway.metrics import GatewayMetrics
 from flotilla.gateway.model_registry import ServedModel
 from flotilla.gateway.router_client import RouterBackend
+from flotilla.gateway.telemetry import GatewayRequestTelemetry
+from flotilla.observability.latency import StreamTimer
 
 if TYPE_CHECKING:
     from flotilla.gateway.admission import RouteTicket
@@ -76,7 +77,8 @@ class Job:
         request = common.GenerateRequest(request_id=self.request_id, model=requested_model,
                                          prompt_token_ids=self.prompt_token_ids, sampling=sampling,
                                          priority=common.PRIORITY_CLASS_INTERACTIVE,
-                                         cache_salt=self.principal.salt, tenant_id=self.principal.tenant)
+                                         cache_salt=self.principal.salt, tenant_id=self.principal.tenant,
+                                         key_id=self.principal.key_id)
         if self.route is not None:
             self.route.apply(request)
         return request
@@ -111,21 +113,24 @@ def check_context_window(num_prompt_tokens: int, max_tokens: int, max_model_len:
 
 @dataclass
 class Metering:
-    """TTFT and token counts of one request, including failed and cancelled ones."""
+    """Latencies (TTFT, TPOT, ITL, e2e) and token counts of one request, including failed and cancelled ones."""
 
     metrics: GatewayMetrics
     job: Job
     num_output_tokens: int = 0
     saw_first_token: bool = field(default=False)
+    timer: StreamTimer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.timer = StreamTimer(self.metrics.latency, self.job.model.name, self.job.principal.tier,
+                                 self.job.started_at)
 
     def on_dispatch(self) -> None:
         self._tokens("prompt").inc(len(self.job.prompt_token_ids))
 
     def on_chunk(self, chunk: common.TokenChunk) -> None:
-        if not self.saw_first_token and chunk.token_ids:
-            self.saw_first_token = True
-            self.metrics.ttft_seconds.labels(self.job.model.name, self.job.principal.tier).observe(
-                time.perf_counter() - self.job.started_at)
+        self.saw_first_token = self.saw_first_token or bool(chunk.token_ids)
+        self.timer.on_tokens(len(chunk.token_ids))
         self.num_output_tokens += len(chunk.token_ids)
         self._tokens("completion").inc(len(chunk.token_ids))
 
@@ -137,21 +142,31 @@ async def router_events(backend: RouterBackend, job: Job, requested_model: str,
                         metrics: GatewayMetrics) -> AsyncIterator[common.TokenChunk | Outcome]:
     metering = Metering(metrics, job)
     metering.on_dispatch()
-    async with aclosing(backend.generate(job.to_proto(requested_model))) as stream:
-        try:
-            async for response in stream:
-                kind = response.WhichOneof("event")
-                if kind == "chunk":
-                    metering.on_chunk(response.chunk)
-                    yield response.chunk
-                elif kind == "finished":
-                    yield outcome_of(response.finished, len(job.prompt_token_ids), metering.num_output_tokens)
-                    return
-                elif kind == "error":
-                    raise error_from_router(response.error)
-        except grpc.RpcError as err:
-            raise error_from_grpc(err) from err
-    raise GatewayError(ErrorKind.INTERNAL, "the router closed the stream without a result")
+    telemetry = GatewayRequestTelemetry(job.request_id, job.model.name, job.principal.tier, job.principal.tenant)
+    try:
+        async with aclosing(backend.generate(job.to_proto(requested_model), telemetry.outgoing_metadata())) as stream:
+            try:
+                async for response in stream:
+                    kind = response.WhichOneof("event")
+                    if kind == "chunk":
+                        metering.on_chunk(response.chunk)
+                        yield response.chunk
+                    elif kind == "finished":
+                        outcome = outcome_of(response.finished, len(job.prompt_token_ids), metering.num_output_tokens)
+                        telemetry.outcome = outcome.finish_reason.value
+                        yield outcome
+                        return
+                    elif kind == "error":
+                        raise error_from_router(response.error)
+            except grpc.RpcError as err:
+                raise error_from_grpc(err) from err
+        raise GatewayError(ErrorKind.INTERNAL, "the router closed the stream without a result")
+    except GatewayError as err:
+        telemetry.outcome = err.code or err.kind.name.lower()
+        raise
+    finally:
+        metering.timer.finish()
+        telemetry.finish(metering.timer, len(job.prompt_token_ids))
 
 
 def outcome_of(finished: common.Finished, num_prompt_tokens: int, num_output_tokens: int) -> Outcome:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from flotilla.observability.latency import LatencyHistograms
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -28,6 +30,8 @@ class GatewayMetrics:
         self.cancellations = Counter("flotilla_gateway_client_cancellations",
                                      "Requests whose client went away before the end", registry=r)
         self.streams_in_flight = Gauge("flotilla_gateway_streams_in_flight", "Open SSE streams", registry=r)
+        # TTFT (the histogram above), TPOT, inter-token and end-to-end latency by model and tier.
+        self.latency = LatencyHistograms.create("flotilla_gateway", r, ttft=self.ttft_seconds)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

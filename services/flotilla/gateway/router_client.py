@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
 import grpc
@@ -14,7 +14,9 @@ from flotilla.api.router.v1 import router_pb2, router_pb2_grpc
 class RouterBackend(Protocol):
     """What the app needs from the router; tests can pass an in-process fake with the same methods."""
 
-    def generate(self, request: common.GenerateRequest) -> AsyncIterator[common.GenerateResponse]: ...
+    def generate(
+        self, request: common.GenerateRequest, metadata: Sequence[tuple[str, str]] = ()
+    ) -> AsyncIterator[common.GenerateResponse]: ...
 
     async def list_models(self) -> list[common.ModelInfo]: ...
 
@@ -28,8 +30,11 @@ class RouterClient:
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
 
-    async def generate(self, request: common.GenerateRequest) -> AsyncIterator[common.GenerateResponse]:
-        call = self._stub.Generate(request)
+    async def generate(
+        self, request: common.GenerateRequest, metadata: Sequence[tuple[str, str]] = ()
+    ) -> AsyncIterator[common.GenerateResponse]:
+        """`metadata`: gRPC metadata for the call (trace context, tier)."""
+        call = self._stub.Generate(request, metadata=tuple(metadata) or None)
         try:
             async for response in call:
                 yield response

@@ -22,6 +22,8 @@ class RouterConfig:
     max_queue_wait_s: float = 30.0  # a queued request gives up after this (or its deadline)
     limits: PlacementLimits = field(default_factory=PlacementLimits)
     shutdown_grace_s: float = 5.0
+    metrics_port: int | None = None  # Prometheus /metrics on host:port (0 = any free port); None = off
+    metrics_port_file: str | None = None  # where the bound metrics port is written
 
     def validate(self) -> None:
         if self.heartbeat_interval_s <= 0 or self.heartbeat_timeout_s <= self.heartbeat_interval_s:

@@ -11,7 +11,9 @@ from flotilla.router.admission import Admission
 from flotilla.router.config import RouterConfig
 from flotilla.router.models import expected_names
 from flotilla.router.registry import WorkerRegistry
+from flotilla.observability.exposition import serve_metrics
 from flotilla.router.service import RouterService
+from flotilla.router.telemetry import RouterMetrics
 from flotilla.rpc.options import aio_server, bind
 from flotilla.rpc.serving import announce, stop_on_signals
 
@@ -34,17 +36,23 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         config.max_queue_wait_s,
     )
     server = aio_server()
+    metrics = RouterMetrics()
     router_pb2_grpc.add_RouterServiceServicer_to_server(
-        RouterService(registry, admission, dict(config.aliases), config.heartbeat_interval_s), server
+        RouterService(registry, admission, dict(config.aliases), config.heartbeat_interval_s, metrics), server
     )
     port = bind(server, config.host, config.port)
     await server.start()
     sweeper = asyncio.create_task(_sweep_forever(registry, config.heartbeat_timeout_s / 4))
+    metrics_server = None
+    if config.metrics_port is not None:
+        metrics_server = serve_metrics(metrics.registry, config.host, config.metrics_port, config.metrics_port_file)
     announce("router", config.host, port, config.port_file)
     try:
         await stop.wait()
     finally:
         logger.info("router stopping")
+        if metrics_server is not None:
+            metrics_server.stop()
         sweeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sweeper

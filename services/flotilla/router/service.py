@@ -12,8 +12,13 @@ from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.router.v1 import router_pb2_grpc
 from flotilla.rpc.convert import error_response
 from flotilla.router.admission import Admission, Placement, RouterError, Ticket
+from flotilla.router.disagg_planner import DisaggPlanner, Plan, open_generate
+from flotilla.router.failover import DEFAULT_MAX_ATTEMPTS, StreamProgress, WorkerLost
 from flotilla.router.models import aliases_of
+from flotilla.router.pool_signals import pool_signals
 from flotilla.router.registry import WorkerRegistry
+from flotilla.router.traffic import TrafficWindow
+from flotilla.router.telemetry import RouterMetrics, RouterRequestTelemetry
 
 logger = logging.getLogger(__name__)
 
@@ -22,56 +27,152 @@ _WORKER_GONE = (grpc.StatusCode.UNAVAILABLE,)
 
 
 class RouterService(router_pb2_grpc.RouterServiceServicer):
+    max_attempts = DEFAULT_MAX_ATTEMPTS  # workers one request may be placed on (failover.py)
+
     def __init__(
         self,
         registry: WorkerRegistry,
         admission: Admission,
         aliases: dict[str, str],
         heartbeat_interval_s: float,
+        metrics: RouterMetrics | None = None,
     ):
         self._registry = registry
         self._admission = admission
         self._aliases = aliases
         self._heartbeat_interval_ms = int(heartbeat_interval_s * 1000)
+        self.traffic = TrafficWindow()  # TTFT and token mix for GetPoolSignals (autoscaler)
+        self.metrics = metrics or RouterMetrics()
+        self._disagg = DisaggPlanner(registry, getattr(admission, "_limits", None))
 
     # ---- generation --------------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         if not request.request_id:
             await context.write(error_response(pb.ERROR_CODE_INVALID_REQUEST, "must not be empty", "request_id"))
             return
+        telemetry = RouterRequestTelemetry(self.metrics, request, self._model_label(request.model),
+                                           context.invocation_metadata())
+        try:
+            await self._place_and_relay(request, context, telemetry)
+        finally:
+            telemetry.finish()
+
+    async def _place_and_relay(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, telemetry: RouterRequestTelemetry
+    ) -> None:
+        arrived_s = time.monotonic()
         try:
             placement = await self._admission.acquire(
                 request.model, len(request.prompt_token_ids), request.deadline_unix_s, Ticket.of(request)
             )
         except RouterError as exc:
+            telemetry.failed(exc.code)
             refusal = error_response(exc.code, exc.message, exc.field)
             refusal.error.retry_after_s = exc.retry_after_s
             await context.write(refusal)
             return
+        telemetry.placed(placement)
         try:
-            await self._relay(request, placement, context)
+            self.traffic.record_prompt(placement.resolution.name, len(request.prompt_token_ids))
+            await self._relay_with_failover(request, placement, context, telemetry, arrived_s)
         finally:
             self._admission.dispatch()  # a finished request may have made room for a queued one
 
+    async def _relay_with_failover(self, request: pb.GenerateRequest, placement: Placement,
+                                   context: grpc.aio.ServicerContext, telemetry: RouterRequestTelemetry,
+                                   arrived_s: float | None) -> None:
+        """Relay attempts until one ends the stream; a lost worker's request goes on elsewhere (failover.py)."""
+        progress = StreamProgress(request, self.max_attempts)
+        while placement is not None:
+            try:
+                await self._relay(request, placement, context, telemetry, arrived_s=arrived_s, progress=progress)
+                return
+            except WorkerLost as lost:
+                arrived_s = arrived_s if not progress.num_delivered else None
+                placement = await self._after_loss(progress, placement, lost, context)
+
+    async def _after_loss(self, progress: StreamProgress, placement: Placement, lost: WorkerLost,
+                          context: grpc.aio.ServicerContext) -> Placement | None:
+        """Place the request again (same model version); None when the caller got its last event instead."""
+        if lost.unreachable:
+            self._registry.mark_failed(lost.worker_id)
+        progress.lost.append(str(lost))
+        logger.warning("request %s lost %s after %d tokens (attempt %d of %d)", progress.request.request_id, lost,
+                       progress.num_delivered, progress.num_attempts, progress.max_attempts)
+        if progress.is_complete:
+            await context.write(progress.finished_response())
+            return None
+        if not progress.can_retry:
+            await context.write(progress.exhausted_response())
+            return None
+        request = progress.request
+        try:
+            return await self._admission.acquire(placement.resolution.qualified,
+                                                 len(request.prompt_token_ids) + progress.num_delivered,
+                                                 request.deadline_unix_s, Ticket.of(request))
+        except RouterError as exc:
+            # Its version may be gone with its last worker: still "retry later" for the caller, not a 404.
+            code = pb.ERROR_CODE_UNAVAILABLE if exc.code == pb.ERROR_CODE_MODEL_NOT_FOUND else exc.code
+            refusal = error_response(code, f"worker lost ({lost.reason}), none to continue: {exc.message}")
+            refusal.error.retry_after_s = exc.retry_after_s or 1.0
+            await context.write(progress.stamp(refusal))
+            return None
+
+    def _model_label(self, requested: str) -> str:
+        """The resolved model name for metrics (aliases fold into their model), else what was asked for."""
+        try:
+            return self._admission.resolve(requested).name
+        except RouterError:
+            return requested
+
     async def _relay(
-        self, request: pb.GenerateRequest, placement: Placement, context: grpc.aio.ServicerContext
+        self,
+        request: pb.GenerateRequest,
+        placement: Placement,
+        context: grpc.aio.ServicerContext,
+        telemetry: RouterRequestTelemetry,
+        arrived_s: float | None = None,
+        progress: StreamProgress | None = None,
     ) -> None:
-        forwarded = pb.GenerateRequest()
-        forwarded.CopyFrom(request)
-        forwarded.model = placement.resolution.qualified
-        worker = placement.worker
+        progress = progress or StreamProgress(request)
+        forwarded = progress.next_request(placement.resolution.qualified)
+        if forwarded.num_previous_output_tokens:  # a resumed stream: prefilled where it continues (its seeds)
+            plan = Plan(placement.worker, None)
+        else:
+            plan = self._disagg.plan(placement.worker, forwarded)  # decode worker by prefix affinity; prefill worker
+        worker = plan.decode
         worker.num_inflight += 1
-        call = worker.stub.Generate(forwarded, timeout=_timeout(request.deadline_unix_s))
+        call = open_generate(
+            plan, forwarded, timeout=_timeout(request.deadline_unix_s), metadata=telemetry.outgoing_metadata()
+        )
         try:
             async for response in call:
+                response = progress.on_response(response, worker.worker_id)  # raises WorkerLost
+                telemetry.on_response(response)
+                if response.chunk.token_ids:
+                    arrived_s = self._record_tokens(placement, len(response.chunk.token_ids), arrived_s)
                 await context.write(response)
+            if not progress.has_result:
+                raise progress.ended_without_result(worker.worker_id)
         except grpc.aio.AioRpcError as exc:
-            await context.write(self._worker_error(worker.worker_id, exc))
+            progress.on_call_error(exc, worker.worker_id)  # raises WorkerLost
+            error = progress.stamp(self._worker_error(worker.worker_id, exc))
+            telemetry.on_response(error)
+            await context.write(error)
         finally:
             # No-op when the stream ended; when our caller went away this cancels the worker call, which
             # aborts the request in its engine.
             call.cancel()
             worker.num_inflight -= 1
+
+    def _record_tokens(self, placement: Placement, num_tokens: int, arrived_s: float | None) -> float | None:
+        """Count relayed tokens for the token mix; the first ones also give a TTFT sample. Returns None
+        (the request's arrival time is no longer needed once its first token is out)."""
+        name = placement.resolution.name
+        self.traffic.record_output(name, num_tokens)
+        if arrived_s is not None:
+            self.traffic.record_ttft(name, time.monotonic() - arrived_s)
+        return None
 
     def _worker_error(self, worker_id: str, exc: grpc.aio.AioRpcError) -> pb.GenerateResponse:
         status = exc.code()
@@ -113,6 +214,23 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
     ) -> rpb.ListWorkersResponse:
         statuses = [self._registry.status(entry) for entry in self._registry.workers()]
         return rpb.ListWorkersResponse(workers=sorted(statuses, key=lambda s: s.worker.worker_id))
+
+    async def SetWorkerState(
+        self, request: rpb.SetWorkerStateRequest, context: grpc.aio.ServicerContext
+    ) -> rpb.SetWorkerStateResponse:
+        if not request.worker_id or request.state == rpb.WORKER_STATE_UNSPECIFIED:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker_id and a state needed")
+        registered, previous = self._registry.set_state(request.worker_id, request.state)
+        self._admission.dispatch()  # a promoted worker takes queued requests at once
+        return rpb.SetWorkerStateResponse(registered=registered, previous=previous)
+
+    async def GetPoolSignals(
+        self, request: rpb.GetPoolSignalsRequest, context: grpc.aio.ServicerContext
+    ) -> rpb.GetPoolSignalsResponse:
+        if not request.model:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model needed")
+        return pool_signals(request, self._registry, self.traffic, self._admission.queue_depth(request.model),
+                            self._admission.queued_tokens(request.model))
 
     async def ListModels(
         self, request: rpb.ListModelsRequest, context: grpc.aio.ServicerContext

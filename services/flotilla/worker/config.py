@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from flotilla.engine.config import EngineConfig
+from flotilla.worker.kv_settings import DisaggSettings
 
 
 @dataclass
@@ -21,6 +22,9 @@ class WorkerConfig:
     router_address: str | None = None  # host:port; None = serve alone, unregistered
     heartbeat_interval_s: float = 0.25  # until the router says otherwise
     shutdown_grace_s: float = 5.0  # streams still running after this are aborted
+    disagg: DisaggSettings = field(default_factory=DisaggSettings)  # role and KV hand-off settings
+    metrics_port: int | None = None  # Prometheus /metrics on host:port (0 = any free port); None = off
+    metrics_port_file: str | None = None  # where the bound metrics port is written
 
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"worker-{uuid.uuid4().hex[:8]}"

@@ -21,6 +21,7 @@ from flotilla.rpc.convert import (
     priority_from_proto,
     sampling_params_from_proto,
 )
+from flotilla.worker.telemetry import RequestTelemetry, WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +37,12 @@ def model_info(engine: AsyncEngine, name: str) -> pb.ModelInfo:
 
 
 class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
-    def __init__(self, engine: AsyncEngine, worker_id: str, model: pb.ModelInfo):
+    def __init__(self, engine: AsyncEngine, worker_id: str, model: pb.ModelInfo,
+                 metrics: WorkerMetrics | None = None):
         self._engine = engine
         self.worker_id = worker_id
         self.model = model
+        self.metrics = metrics or WorkerMetrics()
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         if not self._serves(request.model):
@@ -63,13 +66,21 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
             return
         # A cancelled RPC (the caller went away, or its deadline passed) raises CancelledError at an await
         # below; closing the stream then aborts the request in the engine.
+        telemetry = RequestTelemetry(self.metrics, self.model.name, self.worker_id, request.request_id,
+                                     context.invocation_metadata())
+        outcome = "cancelled"  # unless the stream ends or fails below
         try:
             async for output in stream:
+                telemetry.on_output(output)
+                if output.finished:  # before the write: the caller may hang up as soon as it has the result
+                    outcome = output.finish_reason.value if output.finish_reason else "stop"
                 await self._write(context, output)
         except EngineDeadError as exc:
+            outcome = "engine_dead"
             await context.write(error_response(pb.ERROR_CODE_INTERNAL, str(exc), worker_id=self.worker_id))
         finally:
             stream.close()
+            telemetry.finish(outcome)
 
     def _serves(self, requested: str) -> bool:
         """The router sends name@version; a mismatch means this address now holds other weights."""

@@ -1,0 +1,83 @@
+"""Router metrics and per-request tracing: for each Generate call a span tree (router.generate >
+router.queue_wait), the metadata that carries the trace on to the worker, and one JSON log record."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from opentelemetry import trace
+
+from flotilla.api.common.v1 import common_pb2 as pb
+from flotilla.observability.propagation import Metadata, incoming_context, outgoing_metadata
+from flotilla.observability.request_log import log_request
+from flotilla.observability.router_metrics import RouterMetrics, error_reason_label, priority_class_label
+from flotilla.observability.tracing import trace_id_hex, tracer
+from flotilla.router.admission import Placement
+
+
+class RouterRequestTelemetry:
+    """One Generate call: construct on arrival, then placed() or failed(), on_response() per relayed
+    message, and finish() once at the end (a finally block)."""
+
+    def __init__(self, metrics: RouterMetrics, request: pb.GenerateRequest, model: str,
+                 metadata: Iterable[tuple[str, str | bytes]] | None):
+        """`model`: the resolved model name (the requested one when it does not resolve)."""
+        incoming = incoming_context(metadata)
+        self._metrics = metrics
+        self._request_id = request.request_id
+        self._model = model
+        self._class = priority_class_label(request.priority)
+        self.tier = incoming.tier
+        self._arrived = time.perf_counter()
+        self._queue_wait_s: float | None = None
+        self._worker_id = ""
+        self.outcome = "cancelled"  # until a Finished or an error says otherwise
+        self.span = tracer().start_span("router.generate", context=incoming.context, kind=trace.SpanKind.SERVER,
+                                        attributes={"flotilla.request_id": request.request_id,
+                                                    "flotilla.model": request.model, "flotilla.class": self._class})
+        self._queue_span = tracer().start_span("router.queue_wait", context=trace.set_span_in_context(self.span))
+        self._placed = False
+        metrics.queue_depth.labels(self._model, self._class).inc()
+
+    def placed(self, placement: Placement) -> None:
+        self._worker_id = placement.worker.worker_id
+        self._end_queue_wait()
+        self._placed = True
+        self._metrics.inflight.labels(self._model).inc()
+        self._metrics.queue_wait.labels(self._model, self._class).observe(self._queue_wait_s)
+        self.span.set_attribute("flotilla.worker_id", self._worker_id)
+
+    def failed(self, code: int) -> None:
+        self._end_queue_wait()
+        self.outcome = error_reason_label(code)
+
+    def outgoing_metadata(self) -> Metadata:
+        """Trace context (this router's span as parent) and tier for the worker call."""
+        return outgoing_metadata(trace.set_span_in_context(self.span), self.tier)
+
+    def on_response(self, response: pb.GenerateResponse) -> None:
+        kind = response.WhichOneof("event")
+        if kind == "finished":
+            self.outcome = "ok"
+        elif kind == "error":
+            self.outcome = error_reason_label(response.error.code)
+
+    def finish(self) -> None:
+        self._end_queue_wait()
+        if self._placed:
+            self._metrics.inflight.labels(self._model).dec()
+        self._metrics.requests.labels(self._model, self._class, self.tier or "unknown", self.outcome).inc()
+        if self.outcome not in ("ok", "cancelled"):
+            self._metrics.rejections.labels(self.outcome).inc()
+        self.span.set_attribute("flotilla.outcome", self.outcome)
+        self.span.end()
+        log_request("router", self._request_id, trace_id=trace_id_hex(self.span), model=self._model,
+                    priority_class=self._class, tier=self.tier, worker_id=self._worker_id, outcome=self.outcome,
+                    queue_wait_s=self._queue_wait_s, e2e_s=time.perf_counter() - self._arrived)
+
+    def _end_queue_wait(self) -> None:
+        if self._queue_wait_s is None:
+            self._queue_wait_s = time.perf_counter() - self._arrived
+            self._queue_span.end()
+            self._metrics.queue_depth.labels(self._model, self._class).dec()
