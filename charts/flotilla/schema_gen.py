@@ -1,0 +1,80 @@
+"""Writes values.schema.json (run after changing values.yaml's shape): one schema for every role block, so
+prefill and decode (and gateway, router, operator) cannot drift apart."""
+
+import json
+from pathlib import Path
+
+IMAGE = {
+    "type": "object", "required": ["repository", "tag"], "additionalProperties": False,
+    "properties": {
+        "repository": {"type": "string", "minLength": 1},
+        "tag": {"type": "string", "minLength": 1, "not": {"const": "latest"},
+                "description": "a pinned tag; latest is refused"},
+    },
+}
+RESOURCES = {
+    "type": "object", "additionalProperties": False,
+    "properties": {k: {"type": "object", "additionalProperties": {"type": ["string", "integer", "number"]}}
+                   for k in ("limits", "requests")},
+}
+AUTOSCALING = {
+    "type": "object", "required": ["enabled"],
+    "properties": {
+        "enabled": {"type": "boolean"},
+        "minReplicas": {"type": "integer", "minimum": 0}, "maxReplicas": {"type": "integer", "minimum": 1},
+        "warmReplicas": {"type": "integer", "minimum": 0},
+        "queuedTokensPerReplica": {"type": "integer", "minimum": 1},
+        "kvUtilisation": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "ttftP95Seconds": {"type": "number", "exclusiveMinimum": 0},
+        "scaleUpCooldownSeconds": {"type": "number", "minimum": 0},
+        "scaleDownCooldownSeconds": {"type": "number", "minimum": 0},
+        "targetCPUUtilizationPercentage": {"type": "integer", "minimum": 1, "maximum": 100},
+    },
+    "additionalProperties": False,
+}
+ROLE = {
+    "type": "object",
+    "required": ["enabled", "replicas", "image", "resources", "autoscaling", "monitoring", "podDisruptionBudget",
+                 "extraEnv", "extraArgs"],
+    "properties": {
+        "enabled": {"type": "boolean"},
+        "replicas": {"type": "integer", "minimum": 0},
+        "image": IMAGE,
+        "resources": RESOURCES,
+        "autoscaling": AUTOSCALING,
+        "monitoring": {"type": "object", "additionalProperties": False, "properties": {
+            "serviceMonitor": {"type": "boolean"}, "interval": {"type": "string", "pattern": "^[0-9]+[smh]$"}}},
+        "podDisruptionBudget": {"type": "object", "additionalProperties": False, "properties": {
+            "enabled": {"type": "boolean"}, "minAvailable": {"type": ["integer", "string"]}}},
+        "extraEnv": {"type": "array", "items": {"type": "object", "required": ["name"]}},
+        "extraArgs": {"type": "array", "items": {"type": "string"}},
+        "port": {"type": "integer", "minimum": 1, "maximum": 65535},
+        "metricsPort": {"type": "integer", "minimum": 1, "maximum": 65535},
+        "intervalSeconds": {"type": "number", "exclusiveMinimum": 0},
+        "rbac": {"type": "object", "properties": {"create": {"type": "boolean"}}, "additionalProperties": False},
+    },
+    "additionalProperties": False,
+}
+SCHEMA = {
+    "$schema": "http://json-schema.org/draft-07/schema#",
+    "type": "object",
+    "required": ["model", "gateway", "router", "prefill", "decode", "operator"],
+    "additionalProperties": False,
+    "properties": {
+        "model": {"type": "object", "required": ["name", "checkpoint"], "additionalProperties": False,
+                  "properties": {"name": {"type": "string", "minLength": 1},
+                                 "checkpoint": {"type": "string", "minLength": 1},
+                                 "volume": {"type": "object"}, "mountPath": {"type": "string"}}},
+        "imagePullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]},
+        **{role: ROLE for role in ("gateway", "router", "prefill", "decode", "operator")},
+        "keys": {"type": "object", "additionalProperties": False, "properties": {
+            "existingSecret": {"type": "string"}, "keysJson": {"type": "string"},
+            "limits": {"type": "object", "properties": {"maxBodyBytes": {"type": "integer", "minimum": 1}}}}},
+        "redis": {"type": "object", "additionalProperties": False, "properties": {
+            "enabled": {"type": "boolean"}, "image": IMAGE, "resources": RESOURCES, "url": {"type": "string"}}},
+    },
+}
+
+if __name__ == "__main__":
+    path = Path(__file__).with_name("values.schema.json")
+    path.write_text(json.dumps(SCHEMA, indent=2) + "\n")

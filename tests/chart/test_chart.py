@@ -1,0 +1,134 @@
+"""The Helm chart rendered by a real helm binary (`make helm`), for the default values and every example
+values file: equal to its golden file, valid against the Kubernetes 1.35 schemas (kubernetes-validate,
+strict), InferencePools valid against the chart's own CRD schema, and the Deployments and Services the
+operator builds from those pools valid too."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from flotilla.operator.manifests import deployment, service
+from flotilla.operator.pool_spec import parse_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "flotilla"
+HELM = Path(os.environ.get("FLOTILLA_HELM", ROOT / ".cache" / "helm" / "2.2.2" / "helm"))
+KUBERNETES_VERSION = "1.35.0"
+CASES = {"default": None, **{p.stem: p for p in sorted((CHART / "examples").glob("*.yaml"))}}
+# Kinds whose schemas kubernetes-validate does not ship: the chart's own CRD (checked below against the CRD's
+# schema) and the Prometheus operator's ServiceMonitor (not checked: its CRD is not vendored here).
+CUSTOM_KINDS = {"InferencePool", "ServiceMonitor"}
+
+pytestmark = pytest.mark.skipif(not HELM.exists(), reason=f"no helm binary at {HELM}: run `make helm` (needs npm)")
+
+
+def render(values: Path | None, *extra: str) -> subprocess.CompletedProcess:
+    args = [str(HELM), "template", "flotilla", str(CHART), "--include-crds", "--namespace", "flotilla"]
+    if values is not None:
+        args += ["-f", str(values)]
+    return subprocess.run([*args, *extra], capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def rendered(request) -> tuple[str, str]:
+    result = render(CASES[request.param])
+    if result.returncode != 0:
+        raise AssertionError(f"helm template failed for {request.param}:\n{result.stderr}")
+    return request.param, result.stdout
+
+
+def documents(text: str) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(text) if doc]
+
+
+def crd_schema() -> dict:
+    crd = yaml.safe_load((CHART / "crds" / "inferencepools.yaml").read_text())
+    return _json_schema(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+
+
+def _json_schema(node):
+    """OpenAPI v3.0 (as in CRDs) to JSON Schema draft 4: `nullable` becomes a null type; x-kubernetes-*
+    extensions (CEL rules, int-or-string markers) are dropped: the API server's admission is not emulated."""
+    if isinstance(node, list):
+        return [_json_schema(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _json_schema(v) for k, v in node.items() if not k.startswith("x-kubernetes-") and k != "nullable"}
+    if node.get("nullable") and "type" in out:
+        out["type"] = [out["type"], "null"]
+    return out
+
+
+def test_rendered_matches_golden_file(rendered):
+    name, text = rendered
+    golden = CHART / "golden" / f"{name}.yaml"
+    if os.environ.get("FLOTILLA_UPDATE_GOLDEN"):
+        golden.write_text(text)
+    assert golden.exists(), f"no golden file {golden}: run with FLOTILLA_UPDATE_GOLDEN=1 and review the diff"
+    assert text == golden.read_text(), f"{name} renders differently from {golden}; update it if intended"
+
+
+def test_rendered_is_valid_kubernetes_strict(rendered):
+    name, text = rendered
+    kinds = set()
+    for doc in documents(text):
+        kinds.add(doc["kind"])
+        if doc["kind"] in CUSTOM_KINDS:
+            continue
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    assert {"CustomResourceDefinition", "Deployment", "Service", "ClusterRole", "InferencePool"} <= kinds
+
+
+def test_pools_are_valid_custom_resources_and_build_valid_workloads(rendered):
+    name, text = rendered
+    validator = jsonschema.Draft4Validator(crd_schema())
+    pools = [doc for doc in documents(text) if doc["kind"] == "InferencePool"]
+    assert pools
+    for pool in pools:
+        validator.validate(pool)
+        spec = parse_spec(pool["spec"])
+        body = {"metadata": {**pool["metadata"], "namespace": "flotilla", "uid": "0000"}}
+        for manifest in (deployment(body, spec, 3, pool["spec"]["routerAddress"]), service(body, spec)):
+            kubernetes_validate.validate(manifest, KUBERNETES_VERSION, strict=True)
+
+
+def test_crd_schema_rejects_a_bad_pool():
+    pool = documents(render(None).stdout)
+    (good,) = [doc for doc in pool if doc["kind"] == "InferencePool"]
+    validator = jsonschema.Draft4Validator(crd_schema())
+    for path, value in [(("role",), "sideways"), (("replicas", "max"), 0), (("worker", "image"), "")]:
+        bad = copy.deepcopy(good)
+        target = bad["spec"]
+        for key in path[:-1]:
+            target = target.setdefault(key, {})
+        target[path[-1]] = value
+        with pytest.raises(jsonschema.ValidationError):
+            validator.validate(bad)
+
+
+@pytest.mark.parametrize("flag", ["gateway.image.tag=latest", "decode.autoscaling.kvUtilisation=1.5",
+                                  "prefill.replicas=-1", "decode.unknownKey=1"])
+def test_values_schema_rejects_bad_values(flag):
+    result = render(None, "--set", flag)
+    assert result.returncode != 0 and "schema" in result.stderr, result.stderr
+
+
+def test_prefill_and_decode_blocks_have_the_same_shape():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+
+    def shape(node):
+        return {k: shape(v) for k, v in node.items()} if isinstance(node, dict) else type(node).__name__
+
+    assert shape(values["prefill"]) == shape(values["decode"])
+    common = {"enabled", "replicas", "image", "resources", "autoscaling", "monitoring", "podDisruptionBudget",
+              "extraEnv", "extraArgs"}
+    for role in ("gateway", "router", "prefill", "decode", "operator"):
+        assert common <= set(values[role]), role
