@@ -26,8 +26,18 @@ DEFAULTS: dict[str, Any] = {
     "api_key": None,  # default: a fresh key each start (only its digest is written to disk)
     "redis_url": None,  # keys and quotas in Redis (the key "local" is put there); default: keys file
     "worker_args": [],
+    "prefill": 0,  # > 0 with decode > 0: disaggregated (prefill and decode workers instead of role both)
+    "decode": 0,
     "router_args": [],
     "gateway_args": [],
+    # --autoscale: the local supervisor runs the autoscaler's control law against worker processes.
+    "autoscale": False,
+    "min_workers": 1,
+    "max_workers": 4,
+    "warm_workers": 1,
+    "target_queued_tokens": 2048,  # per active worker
+    "ttft_slo_s": 2.0,
+    "scale_down_cooldown_s": 60.0,
 }
 ENV_VARS = {
     "state_dir": "FLOTILLA_STATE_DIR",
@@ -51,6 +61,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--port", type=int, help="gateway port (default 8080, or $FLOTILLA_PORT)")
     up.add_argument("--workers", type=int, help="number of workers (role both)")
     up.add_argument("--worker-arg", action="append", dest="worker_args", help="extra `flotilla worker` flag")
+    up.add_argument("--prefill", type=int, help="disaggregated: number of prefill workers (needs --decode)")
+    up.add_argument("--decode", type=int, help="disaggregated: number of decode workers (KV arrives over NIXL)")
+    up.add_argument("--autoscale", action="store_true", default=None,
+                    help="scale workers with load (min..max active, plus warm ones loaded out of rotation)")
+    up.add_argument("--min-workers", type=int, help="--autoscale: fewest active workers (default 1)")
+    up.add_argument("--max-workers", type=int, help="--autoscale: most active workers (default 4)")
+    up.add_argument("--warm-workers", type=int, help="--autoscale: workers kept loaded out of rotation (default 1)")
+    up.add_argument("--target-queued-tokens", type=int, help="--autoscale: queued tokens per worker (default 2048)")
+    up.add_argument("--ttft-slo-s", type=float, help="--autoscale: p95 time-to-first-token target (default 2)")
+    up.add_argument("--scale-down-cooldown-s", type=float, help="--autoscale: wait before scaling down (default 60)")
     up.set_defaults(func=run_up)
 
 
@@ -72,6 +92,12 @@ def resolve_settings(args: argparse.Namespace, environ: dict[str, str] | None = 
             settings[key] = value
     settings["port"] = int(settings["port"])
     settings["workers"] = int(settings["workers"])
+    settings["prefill"], settings["decode"] = int(settings["prefill"]), int(settings["decode"])
+    if settings["prefill"] < 0 or settings["decode"] < 0 or (settings["prefill"] and not settings["decode"]):
+        raise SystemExit("--prefill needs --decode >= 1 (a prefill worker only hands KV to decode workers)")
+    if settings["decode"]:
+        settings["workers"] = 0  # disaggregated: no colocated workers
+    settings["autoscale"] = str(settings["autoscale"]).lower() in ("1", "true", "yes")
     return settings
 
 
@@ -94,6 +120,7 @@ def run_up(args: argparse.Namespace) -> int:
         keys_file = None
     else:
         write_keys_file(keys_file, [local_key])
+    autoscale = autoscale_policy(settings)
     fleet = LocalFleet(
         FleetConfig(
             model_dir=model_dir,
@@ -101,7 +128,10 @@ def run_up(args: argparse.Namespace) -> int:
             model_name=settings["model_name"],
             host=settings["host"],
             gateway_port=settings["port"],
-            num_workers=settings["workers"],
+            num_workers=settings["min_workers"] if autoscale else settings["workers"],
+            num_prefill_workers=settings["prefill"],
+            num_decode_workers=settings["decode"],
+            autoscale=autoscale,
             keys_file=keys_file,
             redis_url=settings["redis_url"],
             worker_args=[str(a) for a in settings["worker_args"]],
@@ -129,6 +159,26 @@ def run_up(args: argparse.Namespace) -> int:
         print("stopping the fleet ...", flush=True)
         fleet.stop()
     return 0
+
+
+def autoscale_policy(settings: dict[str, Any]):
+    """The local supervisor's policy from the settings, or None without --autoscale."""
+    if not settings["autoscale"]:
+        return None
+    from flotilla.autoscaler.policy import PoolPolicy
+
+    try:
+        return PoolPolicy(
+            min_replicas=int(settings["min_workers"]),
+            max_replicas=int(settings["max_workers"]),
+            warm_replicas=int(settings["warm_workers"]),
+            target_queued_tokens_per_replica=int(settings["target_queued_tokens"]),
+            ttft_p95_slo_s=float(settings["ttft_slo_s"]),
+            scale_down_cooldown_s=float(settings["scale_down_cooldown_s"]),
+            ttft_settle_s=10.0,  # the supervisor asks the router for a 10 s window
+        )
+    except ValueError as error:
+        raise SystemExit(f"bad autoscale settings: {error}") from None
 
 
 def _ensure_model(model_dir: Path, default: bool) -> None:

@@ -1,0 +1,106 @@
+"""Local e2e: the real fleet (router, workers, gateway as processes) under `flotilla up --autoscale`'s
+supervisor. A 3x burst through the gateway makes the supervisor promote the warm worker into rotation,
+the pool grows to two active workers, a new warm worker refills the pool, and every request succeeds."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+
+from flotilla.api.router.v1 import router_pb2 as rpb
+from flotilla.api.router.v1 import router_pb2_grpc
+from flotilla.autoscaler.policy import PoolPolicy
+from flotilla.fleet.local import FleetConfig, LocalFleet
+from flotilla.gateway.keys import KeyEntry, generate_key, hash_key, write_keys_file
+
+MODEL = "flotilla-tiny"
+BASELINE = 4  # concurrent requests one worker takes (the router's per-worker request cap)
+PROMPT = "Tell me a long story about ships, harbours, lighthouses, tides and the sea. " * 3
+# Baseline load (4 prompts on the worker) stays under the target; a 3x burst queues 8 more in the router.
+POLICY = PoolPolicy(min_replicas=1, max_replicas=2, warm_replicas=1, target_queued_tokens_per_replica=300,
+                    ttft_p95_slo_s=60.0, scale_down_cooldown_s=3600.0)
+
+
+def _workers(address: str) -> dict[str, rpb.WorkerStatus]:
+    with grpc.insecure_channel(address) as channel:
+        response = router_pb2_grpc.RouterServiceStub(channel).ListWorkers(rpb.ListWorkersRequest(), timeout=5)
+    return {status.worker.worker_id: status for status in response.workers}
+
+
+def _until(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_checkpoint: Path, tmp_path_factory):
+    state_dir = tmp_path_factory.mktemp("autoscale-fleet")
+    api_key = generate_key()
+    write_keys_file(state_dir / "keys.json", [KeyEntry("k", hash_key(api_key), "tenant-a", "paid")])
+    config = FleetConfig(
+        model_dir=tiny_checkpoint, state_dir=state_dir, model_name=MODEL, keys_file=state_dir / "keys.json",
+        worker_args=["--num-kv-blocks", "256"], router_args=["--max-requests-per-worker", str(BASELINE)],
+        autoscale=POLICY,
+    )
+    with LocalFleet(config) as local_fleet:
+        yield local_fleet, api_key
+
+
+async def _burst(base_url: str, api_key: str, num_requests: int) -> list[openai.types.Completion]:
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0, timeout=120)
+    calls = [client.completions.create(model=MODEL, prompt=f"{i}: {PROMPT}", max_tokens=48, temperature=0)
+             for i in range(num_requests)]
+    try:
+        return await asyncio.gather(*calls)
+    finally:
+        await client.close()
+
+
+def test_burst_promotes_the_warm_worker_and_refills_the_warm_pool(fleet):
+    local_fleet, api_key = fleet
+    router = local_fleet.router_address
+    _until(lambda: [s.state for s in _workers(router).values()].count(rpb.WORKER_STATE_WARM) == 1, 120,
+           "the supervisor to start one warm worker")
+    before = _workers(router)
+    (warm_id,) = [wid for wid, s in before.items() if s.state == rpb.WORKER_STATE_WARM]
+    assert [s.state for s in before.values()].count(rpb.WORKER_STATE_ACTIVE) == 1
+
+    burst_started = time.monotonic()
+    results = asyncio.run(_burst(local_fleet.gateway_url, api_key, 3 * BASELINE))
+    assert len(results) == 3 * BASELINE and all(r.usage.completion_tokens > 0 for r in results)
+
+    promotions = [e for e in local_fleet.supervisor.events if warm_id in e.promoted]
+    assert promotions, [e.reason for e in local_fleet.supervisor.events]
+    print(f"\nwarm worker promoted {promotions[0].at_s - burst_started:.3f} s after the burst started: "
+          f"{promotions[0].reason}")
+    after = _workers(router)
+    assert after[warm_id].state == rpb.WORKER_STATE_ACTIVE
+    assert after[warm_id].load.num_output_tokens_total > 0  # it served part of the burst
+    # The pool grew to max_replicas and a fresh worker refills the warm pool behind the promotion.
+    _until(lambda: sorted(s.state for s in _workers(router).values()) ==
+           [rpb.WORKER_STATE_ACTIVE, rpb.WORKER_STATE_ACTIVE, rpb.WORKER_STATE_WARM], 120, "warm pool refill")
+
+
+def test_idle_pool_drains_back_to_min_and_stops_the_drained_worker(fleet):
+    local_fleet, _ = fleet
+    router = local_fleet.router_address
+    supervisor = local_fleet.supervisor
+    _until(lambda: len(_workers(router)) == 3, 120, "the fleet of the burst test")
+    # Shorten the cooldown now: the idle pool steps down 2 -> 1, draining one worker (the warm pool is full).
+    supervisor.config = type(supervisor.config)(
+        supervisor.config.model, PoolPolicy(**{**POLICY.__dict__, "scale_down_cooldown_s": 0.0}))
+    _until(lambda: [s.state for s in _workers(router).values()].count(rpb.WORKER_STATE_ACTIVE) == 1, 30,
+           "scale-down to min_replicas")
+    drained = [wid for e in supervisor.events for wid in e.drained]
+    assert len(drained) == 1
+    # Drained: it leaves the router (deregisters on SIGTERM) and its process exits.
+    _until(lambda: drained[0] not in _workers(router), 30, "the drained worker to leave the router")
+    assert all(w.name != drained[0] for w in local_fleet.workers)
