@@ -165,6 +165,8 @@ def autoscale_policy(settings: dict[str, Any]):
     """The local supervisor's policy from the settings, or None without --autoscale."""
     if not settings["autoscale"]:
         return None
+    if settings["decode"]:
+        raise SystemExit("--autoscale scales role-both workers; it does not combine with --prefill/--decode yet")
     from flotilla.autoscaler.policy import PoolPolicy
 
     try:
