@@ -3,6 +3,11 @@ with the number of requests this test sent."""
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
+import httpx
 import openai
 import pytest
 
@@ -51,3 +56,21 @@ def test_engine_and_router_gauges_are_scraped(prometheus: PrometheusServer):
     assert prometheus.wait_for_value("sum(flotilla_worker_output_tokens_total) >= bool 5", 1) == 1
     assert prometheus.wait_for_value("sum(flotilla_router_queue_depth)", 0) == 0
     assert set(prometheus.targets_up().values()) == {"up"}
+
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "charts" / "flotilla" / "dashboards" / "flotilla-slo.json"
+NOT_EXPORTED_YET = ("flotilla_autoscaler_",)  # set by the autoscaler (AutoscalerMetrics), not by these processes
+
+
+def test_dashboard_queries_run_and_name_exported_metrics(prometheus: PrometheusServer,
+                                                         observed_fleet: ObservedFleet):
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    exprs = [target["expr"] for panel in panels for target in panel["targets"]]
+    exposition = "".join(httpx.get(f"http://{target}/metrics", timeout=5.0).text
+                         for target in observed_fleet.fleet.metrics_targets().values())
+    for expr in exprs:
+        prometheus.query(expr.replace("$model", ".*").replace("$__rate_interval", "1m"))  # raises if invalid
+        for name in re.findall(r"flotilla_[a-z0-9_]+", expr):
+            family = re.sub(r"_(bucket|count|sum|total)$", "", name)
+            exported = re.search(rf"^# TYPE {family}(_total)? ", exposition, re.MULTILINE)
+            assert name.startswith(NOT_EXPORTED_YET) or exported, (name, expr)
