@@ -1,0 +1,78 @@
+"""Time until the decode side holds every layer of a long prompt's KV (and the first token exists): writes
+layer by layer during the forward pass vs one write per layer after it, and prefill alone as the floor."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+from flotilla.engine.config import EngineConfig
+from flotilla.engine.engine import LLMEngine
+from flotilla.engine.model.kv_cache import kv_pool_tensor
+from flotilla.engine.remote_prefill import KVSender, RemoteTarget
+from flotilla.engine.sampling_params import SamplingParams
+from flotilla.kv_transfer.nixl_transport import NixlTransport
+from loadtest.kv_transfer.sink import Sink
+
+
+class TTFT(NamedTuple):
+    prefill_only_s: float
+    layerwise_s: float
+    after_prefill_s: float
+    num_bytes: int
+
+    @property
+    def hidden_fraction(self) -> float:
+        """Share of the one-write-after-prefill transfer time that layer-by-layer writes hide."""
+        exposed_after = self.after_prefill_s - self.prefill_only_s
+        exposed_layerwise = self.layerwise_s - self.prefill_only_s
+        return 1.0 - exposed_layerwise / exposed_after if exposed_after > 0 else float("nan")
+
+
+def measure(model_dir: Path, prompt_len: int, chunk: int, reps: int) -> TTFT:
+    engine = LLMEngine(EngineConfig(model_dir=str(model_dir), num_kv_blocks=prompt_len // 16 + 8,
+                                    max_num_batched_tokens=chunk, enable_prefix_caching=False))  # fmt: skip
+    pool = kv_pool_tensor(engine.runner.kv_caches)
+    sink = Sink(tuple(pool.shape))
+    transport = NixlTransport(pool, "bench-prefill")
+    transport.connect(sink.info)
+    rng = random.Random(0)
+    runs: dict[str, list[float]] = {"none": [], "layerwise": [], "after": []}
+    num_bytes = 0
+    try:
+        for rep in range(reps + 1):  # the first round warms up
+            for mode in runs:
+                prompt = [rng.randrange(3, engine.model_config.vocab_size) for _ in range(prompt_len)]
+                seconds, num_bytes = _one(engine, transport, sink, mode, prompt, f"{mode}{rep}")
+                if rep:
+                    runs[mode].append(seconds)
+    finally:
+        transport.close()
+        sink.close()
+    median = {mode: statistics.median(times) for mode, times in runs.items()}
+    return TTFT(median["none"], median["layerwise"], median["after"], num_bytes)
+
+
+def _one(engine: LLMEngine, transport, sink: Sink, mode: str, prompt: list[int], transfer_id: str):
+    sender = None
+    if mode != "none":
+        sender = KVSender(transport, engine.config.block_size, layerwise=mode == "layerwise")
+        num_blocks = -(-len(prompt) // engine.config.block_size)
+        sender.add_target(transfer_id, RemoteTarget(transfer_id, sink.info.agent_name, list(range(num_blocks)), 0))
+    engine.runner.kv_hook = sender
+    started = time.monotonic()
+    engine.add_request(transfer_id, prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    done = time.monotonic()
+    engine.runner.kv_hook = None
+    if sender is None:
+        return done - started, 0
+    target = sender.pop_target(transfer_id)
+    if target.error:
+        raise RuntimeError(target.error)
+    arrived = sink.wait_notifs(transfer_id + ":", target.num_writes)
+    return max(done, arrived) - started, target.num_bytes
