@@ -8,7 +8,7 @@ import sys
 
 # Subcommand modules; each defines register(subparsers) and sets a `func(args) -> int` default.
 SUBCOMMAND_MODULES = ("flotilla.cli.model", "flotilla.cli.serve", "flotilla.cli.gateway", "flotilla.cli.up",
-                      "flotilla.cli.keys")
+                      "flotilla.cli.keys", "flotilla.cli.usage")
 
 
 def build_parser() -> argparse.ArgumentParser:

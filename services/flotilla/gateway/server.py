@@ -9,6 +9,7 @@ import socket
 import uvicorn
 
 from flotilla.gateway.app import create_app
+from flotilla.gateway.fault_tolerance import FaultTolerance
 from flotilla.gateway.keys import KeyStore
 from flotilla.gateway.router_client import RouterClient
 from flotilla.gateway.settings import GatewaySettings
@@ -38,13 +39,16 @@ async def serve(settings: GatewaySettings, sockets: list[socket.socket] | None =
     """Serve until interrupted; `sockets` lets a caller bind first (port 0, tests)."""
     gatekeeper = load_gatekeeper(settings)
     backend = RouterClient(settings.router_address, settings.router_timeout_s)
+    tolerance = FaultTolerance.open(settings)  # usage ledger, idempotency, resumable streams
     try:
-        app = create_app(settings, backend, None, gatekeeper=gatekeeper)
+        app = create_app(settings, tolerance.wrap(backend), None, gatekeeper=gatekeeper)
+        tolerance.install(app)
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                                 timeout_graceful_shutdown=5, lifespan="on")
         await uvicorn.Server(config).serve(sockets=sockets)
     finally:
         await backend.close()
+        await tolerance.close()
         if gatekeeper is not None:
             await gatekeeper.close()
 

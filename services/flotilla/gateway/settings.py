@@ -26,6 +26,12 @@ class GatewaySettings:
     redis_url: str | None = None  # keys and quotas in Redis (shared by every gateway); else keys_file + local
     redis_fail_mode: str = "closed"  # Redis down: "closed" answers 503, "open" goes on with local limits
     admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)  # wait budgets, deadlines, weights
+    # Fault tolerance: the usage ledger goes to Redis (redis_url) or else to this JSON-lines file (None: off
+    # without Redis); Idempotency-Key responses are kept this long; a resumable stream waits this long for
+    # its client to reconnect.
+    usage_log: Path | None = None
+    idempotency_ttl_s: float = 24 * 3600.0
+    stream_resume_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:

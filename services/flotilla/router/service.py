@@ -113,7 +113,8 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         except RouterError as exc:
             # Its version may be gone with its last worker: still "retry later" for the caller, not a 404.
             code = pb.ERROR_CODE_UNAVAILABLE if exc.code == pb.ERROR_CODE_MODEL_NOT_FOUND else exc.code
-            refusal = error_response(code, f"worker lost ({lost.reason}), none to continue: {exc.message}")
+            refusal = error_response(code, f"worker lost ({lost.reason}) and none took the request over: "
+                                           f"{exc.message}; retry")
             refusal.error.retry_after_s = exc.retry_after_s or 1.0
             await context.write(progress.stamp(refusal))
             return None

@@ -1,0 +1,51 @@
+"""One request's usage record and its wire forms (Redis stream fields, one JSON line)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+
+STATUS_OK = "ok"  # finished (stop or length)
+STATUS_ERROR = "error"  # ended with an error (see error_code)
+STATUS_CANCELLED = "cancelled"  # the caller went away before the end
+
+
+@dataclass(frozen=True)
+class UsageRecord:
+    request_id: str
+    tenant: str
+    key_id: str
+    model: str  # as the router resolved it (name@version), else as requested
+    model_version: str
+    input_tokens: int
+    cached_input_tokens: int
+    output_tokens: int  # delivered to the caller: what is billed
+    status: str
+    error_code: str  # "" unless status is error
+    attempts: int  # workers the request was placed on (1 without a failure; 0 if never placed)
+    started_at: float  # unix seconds
+    finished_at: float
+
+    def to_fields(self) -> dict[str, str]:
+        return {name: str(value) for name, value in asdict(self).items()}
+
+    @classmethod
+    def from_fields(cls, raw: dict[str, str]) -> UsageRecord:
+        """From Redis stream fields or a JSON object; unknown fields are ignored, missing ones are an error."""
+        values = {}
+        for f in fields(cls):
+            if f.name not in raw:
+                raise ValueError(f"usage record without {f.name!r}: {raw!r}")
+            values[f.name] = _typed(f.type, raw[f.name])
+        return cls(**values)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+
+def _typed(type_name: object, value: object) -> object:
+    if type_name in ("int", int):
+        return int(value)
+    if type_name in ("float", float):
+        return float(value)
+    return str(value)
