@@ -21,9 +21,12 @@ DEFAULT_MAX_CONNECTIONS = 64
 KEY_PREFIX = "flotilla:"
 
 
-def connect(url: str, max_connections: int = DEFAULT_MAX_CONNECTIONS, timeout_s: float = 1.0) -> aioredis.Redis:
+def connect(url: str, max_connections: int = DEFAULT_MAX_CONNECTIONS, timeout_s: float = 2.0,
+            pool_wait_s: float = 10.0) -> aioredis.Redis:
+    # pool_wait_s: a burst waits this long for a free connection; that is queueing, not Redis being down
+    # (the pool raises the same ConnectionError when it runs out, so a short wait would read as an outage).
     pool = aioredis.BlockingConnectionPool.from_url(
-        url, max_connections=max_connections, timeout=timeout_s, socket_timeout=timeout_s,
+        url, max_connections=max_connections, timeout=pool_wait_s, socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s, decode_responses=True)
     return aioredis.Redis(connection_pool=pool)
 

@@ -15,7 +15,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterator
 from typing import Generic, Protocol, TypeVar
 
-DEFAULT_QUANTUM_TOKENS = 128  # small: a quiet tenant waits for at most ~one quantum per busy tenant
+DEFAULT_QUANTUM_TOKENS = 32  # small: a quiet tenant waits for about one quantum (x weight) per busy tenant
 
 
 class Fair(Protocol):
