@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections import deque
 from dataclasses import dataclass, field
+
+MAX_FORGOTTEN = 4096  # recently forgotten transfers whose late notifications are dropped
 
 
 def notif_message(transfer_id: str, layer: int) -> bytes:
@@ -29,12 +32,16 @@ class ArrivalTracker:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._transfers: dict[str, _Transfer] = {}
-        self.num_bytes_notified = 0
+        # An aborted transfer's last writes may still notify after forget(): drop those, do not re-create it.
+        self._forgotten: set[str] = set()
+        self._forgotten_order: deque[str] = deque()
 
     def on_notif(self, agent_name: str, message: bytes) -> None:
         """Transport thread: one write landed."""
         transfer_id, _, layer = message.decode(errors="replace").rpartition(":")
         with self._lock:
+            if transfer_id in self._forgotten:
+                return
             transfer = self._transfers.setdefault(transfer_id, _Transfer())
             transfer.num_arrived += 1
             if layer.isdigit():
@@ -60,6 +67,10 @@ class ArrivalTracker:
     def forget(self, transfer_id: str) -> None:
         with self._lock:
             self._transfers.pop(transfer_id, None)
+            self._forgotten.add(transfer_id)
+            self._forgotten_order.append(transfer_id)
+            if len(self._forgotten_order) > MAX_FORGOTTEN:
+                self._forgotten.discard(self._forgotten_order.popleft())
 
     def _maybe_wake(self, transfer: _Transfer) -> None:
         if transfer.waiter is None or transfer.num_expected is None or transfer.loop is None:

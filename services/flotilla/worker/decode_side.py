@@ -14,14 +14,14 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable
 
 import grpc
 
 from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.kvtransfer.v1 import kv_transfer_pb2 as kpb
+from flotilla.api.kvtransfer.v1 import kv_transfer_pb2_grpc
 from flotilla.engine.async_engine import EngineDeadError, Prefilled, RequestStream
-from flotilla.engine.errors import InvalidRequestError
 from flotilla.engine.remote_prefill import KVReservation, release, try_reserve
 from flotilla.engine.scheduler_output import TokenLogprobs
 from flotilla.rpc.convert import priority_from_proto, sampling_params_from_proto
@@ -108,7 +108,9 @@ class DecodeSide:
             pass
 
 
-async def _guarded(call: Awaitable[kpb.RemotePrefillResponse], stub, transfer_id: str) -> kpb.RemotePrefillResponse:
+async def _guarded(
+    call: Awaitable[kpb.RemotePrefillResponse], stub: kv_transfer_pb2_grpc.KVTransferServiceStub, transfer_id: str
+) -> kpb.RemotePrefillResponse:
     """Await the prefill; if that is cancelled or fails, stop the prefill worker's writes before returning,
     so that the reserved blocks can be freed."""
     try:
@@ -123,7 +125,7 @@ def _peer_is_gone(exc: BaseException) -> bool:
     return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
 
 
-async def _abort_remote(stub, transfer_id: str) -> None:
+async def _abort_remote(stub: kv_transfer_pb2_grpc.KVTransferServiceStub, transfer_id: str) -> None:
     try:
         await stub.AbortRemotePrefill(kpb.AbortRemotePrefillRequest(transfer_id=transfer_id),
                                       timeout=ABORT_CALL_TIMEOUT_S)  # fmt: skip
