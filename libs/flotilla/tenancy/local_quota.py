@@ -64,7 +64,11 @@ class LocalQuotaStore:
                 break
             del w.log[rid]
             w.num_tokens -= tokens
-        w.in_flight = {rid: expiry for rid, expiry in w.in_flight.items() if expiry > now}
+        while w.in_flight:  # insertion order is expiry order (one lease length)
+            rid, expiry = next(iter(w.in_flight.items()))
+            if expiry > now:
+                break
+            del w.in_flight[rid]
         return w
 
     def _refusal(self, w: _Window, cost: int, limits: Limits, now: float) -> tuple[str, float]:
@@ -73,19 +77,20 @@ class LocalQuotaStore:
             return Reason.TOO_LARGE, 0.0
         if limits.max_concurrent and len(w.in_flight) >= limits.max_concurrent:
             return Reason.CONCURRENCY, CONCURRENCY_RETRY_S
-        entries = list(w.log.values())
-        if rpm and len(entries) >= rpm:
+        if rpm and len(w.log) >= rpm:
+            entries = list(w.log.values())
             return Reason.REQUESTS, entries[len(entries) - rpm][0] + self._window_s - now
         if tpm and w.num_tokens + cost > tpm:
             need, freeing = w.num_tokens + cost - tpm, 0
-            for at, tokens in entries:
+            for at, tokens in w.log.values():
                 freeing += tokens
                 if freeing >= need:
                     return Reason.TOKENS, at + self._window_s - now
         return "", 0.0
 
     def _state(self, w: _Window, limits: Limits, now: float) -> QuotaState:
-        entries = list(w.log.values())
-        tokens_reset = entries[-1][0] + self._window_s - now if entries else 0.0
-        requests_reset = entries[0][0] + self._window_s - now if entries else 0.0
-        return QuotaState(limits, w.num_tokens, len(entries), tokens_reset, requests_reset)
+        if not w.log:
+            return QuotaState(limits, w.num_tokens, 0, 0.0, 0.0)
+        newest, oldest = next(reversed(w.log.values())), next(iter(w.log.values()))
+        return QuotaState(limits, w.num_tokens, len(w.log), newest[0] + self._window_s - now,
+                          oldest[0] + self._window_s - now)
