@@ -20,6 +20,7 @@ class StreamResult:
     error: dict | None = None
     event_ids: list[str] = field(default_factory=list)
     done: bool = False
+    request_id: str = ""
 
     def absorb(self, data: str) -> None:
         if data == "[DONE]":

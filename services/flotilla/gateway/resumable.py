@@ -61,11 +61,12 @@ class _Stream:
             self.events.append(data)
             return
         self.pending += data
-        while b"\n\n" in self.pending:
-            block, self.pending = self.pending.split(b"\n\n", 1)
-            if block and not all(line.startswith(b":") for line in block.split(b"\n")):  # pings are not kept
+        while (end := _event_end(self.pending)) is not None:
+            block, separator = self.pending[: end[0]], self.pending[end[0]: end[1]]
+            self.pending = self.pending[end[1]:]
+            if block and not all(line.startswith(b":") for line in block.splitlines()):  # pings are not kept
                 event_id = f"{self.stream_id}.{len(self.events) + 1}".encode()
-                self.events.append(b"id: " + event_id + b"\n" + block + b"\n\n")
+                self.events.append(b"id: " + event_id + separator[: len(separator) // 2] + block + separator)
 
 
 class ResumableStreamMiddleware:
@@ -194,6 +195,12 @@ class ResumableStreamMiddleware:
         after = int(number) if number.isdigit() and prefix in ("", stream_id) else 0
         await _read_body(receive)
         await self._serve(stream, min(after, len(stream.events)), receive, send)
+
+
+def _event_end(data: bytes) -> tuple[int, int] | None:
+    """(start, end) of the first blank line that ends an event; SSE lines end in CRLF, LF or CR."""
+    found = [(i, i + len(sep)) for sep in (b"\r\n\r\n", b"\n\n", b"\r\r") if (i := data.find(sep)) >= 0]
+    return min(found) if found else None
 
 
 def _caller(headers: dict[bytes, bytes]) -> str:

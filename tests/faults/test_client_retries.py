@@ -1,0 +1,192 @@
+"""Client-side retries and reconnects against the real fleet (real Redis): Idempotency-Key replays (also
+across a gateway killed and restarted mid-request: each request runs and is billed once), and resumable
+streams (a reconnect with Last-Event-ID gets every event exactly once; no reconnect: cancelled after the
+grace period)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import httpx
+import pytest
+
+from flotilla.api.worker.v1 import worker_pb2, worker_pb2_grpc
+
+from .fleet import MODEL, start_fleet, wait_for
+from .sse_client import StreamResult, completion_body, read_events, stream_completion
+
+GRACE_S = 2.0
+RESUMABLE = {"x-flotilla-resumable": "true"}
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_checkpoint, tmp_path_factory, redis_server):
+    redis_server.flush()
+    fault_fleet = start_fleet(tiny_checkpoint, tmp_path_factory.mktemp("retries"), redis_server.url, num_workers=1)
+    fault_fleet.fleet.gateway.args += ["--stream-resume-grace-s", str(GRACE_S)]
+    fault_fleet.restart_gateway()
+    try:
+        yield fault_fleet
+    finally:
+        fault_fleet.fleet.stop()
+
+
+def _active_requests(fleet) -> list[str]:
+    with grpc.insecure_channel(fleet.fleet.workers[0].address) as channel:
+        load = worker_pb2_grpc.WorkerServiceStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+    return list(load.active_request_ids)
+
+
+def _post(fleet, path: str, body: dict, key: str | None, **headers) -> httpx.Response:
+    extra = {"idempotency-key": key} if key else {}
+    return httpx.post(f"{fleet.url}{path}", json=body, headers={**fleet.headers, **extra, **headers}, timeout=60)
+
+
+# ---- Idempotency-Key -------------------------------------------------------------------------------------
+def test_retry_with_the_same_key_replays_without_running_again(fleet):
+    before = len(fleet.ledger())
+    body = completion_body([5, 6, 7, 8], 12, seed=3, stream=False)
+    first = _post(fleet, "/v1/completions", body, "key-1")
+    assert first.status_code == 200 and "idempotent-replayed" not in first.headers
+    again = _post(fleet, "/v1/completions", {**body}, "key-1")
+    assert again.status_code == 200 and again.headers["idempotent-replayed"] == "true"
+    assert again.json() == first.json()
+    assert len(fleet.wait_ledger(before + 1)) == before + 1  # billed once
+    other = _post(fleet, "/v1/completions", {**body, "max_tokens": 11}, "key-1")
+    assert other.status_code == 422 and other.json()["error"]["type"] == "invalid_request_error"
+    anthropic = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    assert _post(fleet, "/v1/messages", anthropic, "key-a").status_code == 200
+    changed = _post(fleet, "/v1/messages", {**anthropic, "max_tokens": 6}, "key-a")
+    assert changed.status_code == 422 and changed.json()["type"] == "error"  # Anthropic's error shape
+    assert len(fleet.ledger()) == before + 2
+
+
+async def test_concurrent_duplicates_wait_for_the_first(fleet):
+    before = len(fleet.ledger())
+    body = completion_body([9, 10, 11], 32, stream=False)
+    async with httpx.AsyncClient(timeout=60) as client:
+        answers = await asyncio.gather(*(client.post(f"{fleet.url}/v1/completions", json=body,
+                                                     headers={**fleet.headers, "idempotency-key": "dup"})
+                                         for _ in range(6)))
+    assert [a.status_code for a in answers] == [200] * 6
+    assert len({json.dumps(a.json(), sort_keys=True) for a in answers}) == 1
+    assert sum(a.headers.get("idempotent-replayed") == "true" for a in answers) == 5
+    fleet.wait_ledger(before + 1)
+    assert len(fleet.ledger()) == before + 1
+
+
+async def test_gateway_killed_and_restarted_each_request_runs_and_is_billed_once(fleet):
+    before = {r.request_id for r in fleet.ledger()}
+    bodies = {f"restart-{i}": completion_body([20 + i, 30, 40 + i], 200, seed=i, stream=False) for i in range(8)}
+
+    async def call_until_answered(client: httpx.AsyncClient, key: str) -> httpx.Response:
+        while True:  # what a client SDK does: retry connection errors and 5xx with the same key
+            try:
+                answer = await client.post(f"{fleet.url}/v1/completions", json=bodies[key],
+                                           headers={**fleet.headers, "idempotency-key": key})
+                if answer.status_code < 500:
+                    return answer
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(0.1)
+
+    async with httpx.AsyncClient(timeout=120) as client:
+        calls = [asyncio.ensure_future(call_until_answered(client, key)) for key in bodies]
+        await asyncio.to_thread(wait_for, lambda: len(_active_requests(fleet)) >= 4, 30, "requests running")
+        await asyncio.to_thread(fleet.restart_gateway)  # kill -9 mid-request, then start it again
+        answers = await asyncio.wait_for(asyncio.gather(*calls), 120)
+        replays = [await call_until_answered(client, key) for key in bodies]
+    assert [a.status_code for a in answers] == [200] * len(bodies)
+    assert [r.json() for r in replays] == [a.json() for a in answers]
+    assert all(r.headers["idempotent-replayed"] == "true" for r in replays)
+    new = [r for r in fleet.wait_ledger(len(before) + len(bodies)) if r.request_id not in before]
+    assert len(new) == len(bodies) and {r.status for r in new} == {"ok"}  # the killed runs billed nothing
+    assert sorted(r.output_tokens for r in new) == sorted(a.json()["usage"]["completion_tokens"] for a in answers)
+
+
+# ---- resumable streams -----------------------------------------------------------------------------------
+async def _read_until(client, fleet, body, headers, num_events: int) -> tuple[StreamResult, str]:
+    """Open a resumable stream, read num_events events, then drop the connection."""
+    result = StreamResult()
+    async with client.stream("POST", f"{fleet.url}/v1/completions", json=body,
+                             headers={**fleet.headers, **headers}) as response:
+        assert response.status_code == 200
+        stream_id = response.headers["x-flotilla-stream-id"]
+        result.request_id = response.headers["request-id"]
+
+        async def stop_early(r: StreamResult) -> None:
+            if len(r.event_ids) >= num_events:
+                raise _Dropped()
+
+        try:
+            await read_events(response, result, stop_early)
+        except _Dropped:
+            pass
+    return result, stream_id
+
+
+class _Dropped(Exception):
+    pass
+
+
+@pytest.mark.parametrize("how", ["get", "post"])
+async def test_reconnect_with_last_event_id_gets_every_event_once(fleet, how):
+    body = completion_body([3, 1, 4, 1, 5, 9, 2, 6], 40, seed=11)
+    async with httpx.AsyncClient(timeout=60) as client:
+        whole = await stream_completion(client, fleet.url, fleet.headers, body)
+        first, stream_id = await _read_until(client, fleet, body, RESUMABLE, 5)
+        last = first.event_ids[-1]
+        rest = StreamResult()
+        if how == "get":
+            request = client.stream("GET", f"{fleet.url}/v1/streams/{stream_id}",
+                                    headers={**fleet.headers, "last-event-id": last})
+        else:
+            request = client.stream("POST", f"{fleet.url}/v1/completions", json=body,
+                                    headers={**fleet.headers, "last-event-id": last})
+        async with request as response:
+            assert response.status_code == 200
+            await read_events(response, rest)
+    ids = first.event_ids + rest.event_ids
+    assert ids == [f"{stream_id}.{n}" for n in range(1, len(ids) + 1)]  # every event, once, in order
+    assert rest.done and first.text + rest.text == whole.text
+    assert rest.completion_tokens == whole.completion_tokens
+
+
+async def test_reconnect_needs_the_same_key_and_a_live_stream(fleet):
+    body = completion_body([7, 7, 7], 8)
+    async with httpx.AsyncClient(timeout=60) as client:
+        first, stream_id = await _read_until(client, fleet, body, RESUMABLE, 1)
+        stranger = await client.get(f"{fleet.url}/v1/streams/{stream_id}", headers={"x-api-key": "someone-else"})
+        assert stranger.status_code == 404
+        unknown = await client.get(f"{fleet.url}/v1/streams/nope", headers=fleet.headers)
+        assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_no_reconnect_within_the_grace_period_cancels(fleet):
+    body = completion_body([8, 6, 7, 5, 3, 0, 9], 1500, seed=5)  # runs far longer than the grace period
+    async with httpx.AsyncClient(timeout=60) as client:
+        first, stream_id = await _read_until(client, fleet, body, RESUMABLE, 2)
+        request_id = first.request_id
+        assert request_id in _active_requests(fleet)  # still generating without a client
+        await asyncio.to_thread(wait_for, lambda: request_id not in _active_requests(fleet), 10 * GRACE_S,
+                                "the abort")
+        gone = await client.get(f"{fleet.url}/v1/streams/{stream_id}", headers=fleet.headers)
+    assert gone.status_code == 404
+
+    def record():
+        return [r for r in fleet.ledger() if r.request_id == request_id]
+
+    wait_for(lambda: record(), 10, "the cancelled request's usage record")
+    assert record()[0].status == "cancelled" and 0 < record()[0].output_tokens < 1500  # billed what was made
+
+
+async def test_without_opt_in_there_is_no_stream_id(fleet):
+    async with httpx.AsyncClient(timeout=60) as client:
+        async with client.stream("POST", f"{fleet.url}/v1/completions", json=completion_body([1, 2], 3),
+                                 headers=fleet.headers) as response:
+            assert "x-flotilla-stream-id" not in response.headers
+            result = StreamResult()
+            await read_events(response, result)
+    assert result.done and result.event_ids == []
