@@ -136,7 +136,9 @@ def run_up(args: argparse.Namespace) -> int:
             redis_url=settings["redis_url"],
             worker_args=[str(a) for a in settings["worker_args"]],
             router_args=[str(a) for a in settings["router_args"]],
-            gateway_args=[str(a) for a in settings["gateway_args"]],
+            # Without Redis the usage ledger is an append-only file next to the logs (`flotilla usage --file`).
+            gateway_args=[*([] if settings["redis_url"] else ["--usage-log", str(state_dir / "usage.jsonl")]),
+                          *(str(a) for a in settings["gateway_args"])],
         )
     )
     stop = threading.Event()
