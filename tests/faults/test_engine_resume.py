@@ -14,7 +14,7 @@ from flotilla.engine.engine import LLMEngine
 from flotilla.engine.errors import InvalidRequestError
 from flotilla.engine.sampling_params import SamplingParams
 
-PROMPTS = [[1, 5, 9, 33, 2, 7], [3, 3, 40, 41, 42, 43, 44, 45, 46, 47, 48], [17] * 20]
+PROMPTS = [[1, 5, 9, 33, 2, 7], [3, 3, 40, 41, 42, 43, 44, 45, 46, 47, 48]]
 MAX_TOKENS = 14
 
 
