@@ -20,16 +20,23 @@ import json, sys, time
 import vllm
 from vllm import LLM, SamplingParams
 
-spec = json.load(open(sys.argv[1]))
-llm = LLM(model=spec["model_dir"], dtype="float32", seed=0, max_model_len=spec["max_model_len"])
-params = [SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0) for n in spec["max_tokens"]]
-prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
-llm.generate(prompts[:1], [SamplingParams(max_tokens=2, temperature=0)], use_tqdm=False)  # warm-up
-started = time.perf_counter()
-outputs = llm.generate(prompts, params, use_tqdm=False)
-seconds = time.perf_counter() - started
-produced = [len(o.outputs[0].token_ids) for o in outputs]
-print(json.dumps({"seconds": seconds, "produced": produced, "vllm_version": vllm.__version__}), flush=True)
+
+def main():
+    spec = json.load(open(sys.argv[1]))
+    llm = LLM(model=spec["model_dir"], dtype="float32", seed=0, max_model_len=spec["max_model_len"])
+    params = [SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0) for n in spec["max_tokens"]]
+    prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
+    llm.generate(prompts[:1], [SamplingParams(max_tokens=2, temperature=0)], use_tqdm=False)  # warm-up
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - started
+    produced = [len(o.outputs[0].token_ids) for o in outputs]
+    print(json.dumps({"seconds": seconds, "produced": produced, "vllm_version": vllm.__version__}), flush=True)
+
+
+# vLLM starts its engine core with multiprocessing "spawn", which re-imports this file: guard the entry.
+if __name__ == "__main__":
+    main()
 '''
 
 
