@@ -85,14 +85,20 @@ async def test_most_headroom_wins_and_placements_count_until_the_next_report():
 async def test_busy_workers_queue_then_a_heartbeat_dispatches_in_order():
     registry, admission, _ = make(max_requests=1)
     register(registry, "w1")
-    assert (await admission.acquire("tiny", 5)).worker.worker_id == "w1"
+    first = await admission.acquire("tiny", 5)
+    assert first.worker.worker_id == "w1"
     waiting = [asyncio.create_task(admission.acquire("tiny", n)) for n in (6, 7)]
     await asyncio.sleep(0)
     assert admission.queue_depth("tiny") == 2
-    report(registry, "w1", running=0)  # the first request finished
+    report(registry, "w1", running=1)  # a report alone frees nothing: the relay has not ended
     admission.dispatch()
-    assert (await waiting[0]).worker.worker_id == "w1"
+    assert admission.queue_depth("tiny") == 2
+    registry.release(first.worker)  # the first request's relay ended: its slot is free at once
+    admission.dispatch()
+    second = await waiting[0]
+    assert second.worker.worker_id == "w1"
     assert not waiting[1].done() and admission.queue_depth("tiny") == 1  # w1 is full again
+    registry.release(second.worker)
     report(registry, "w1", running=0)
     admission.dispatch()
     assert (await waiting[1]).worker.worker_id == "w1"

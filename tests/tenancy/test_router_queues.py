@@ -64,7 +64,8 @@ async def test_interactive_before_batch_and_fair_between_tenants():
     assert admission.queue_depth("tiny") == 22 and admission.queue_depth("tiny", BATCH) == 1
     order = []
     while len(order) < 22:
-        report(registry, clock, running=0, total_tokens=0)  # the slot frees up: one more is placed
+        registry.release(first.worker)  # the running request's relay ended: its slot frees up
+        report(registry, clock, running=0, total_tokens=0)  # one more is placed
         admission.dispatch()
         await settle()
         done = [name for name, task in tasks.items() if task.done() and name not in order]
@@ -114,10 +115,11 @@ async def test_unmeasured_throughput_sheds_nothing_and_depth_is_bounded():
 
 async def test_deadline_passed_is_rejected_at_the_head():
     registry, admission, clock = make()
-    await admission.acquire("tiny", 10)
+    first = await admission.acquire("tiny", 10)
     late = asyncio.create_task(admission.acquire("tiny", 10, deadline_unix_s=clock.now + 0.5))
     on_time = asyncio.create_task(admission.acquire("tiny", 10, deadline_unix_s=clock.now + 100))
     await settle()
+    registry.release(first.worker)  # the first request's relay ended
     report(registry, clock, running=0, total_tokens=0, dt=1.0)  # past the first deadline, slot free
     admission.dispatch()
     await settle()

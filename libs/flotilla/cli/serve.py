@@ -48,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     router.add_argument("--max-queue-depth", type=int, default=1024)
     router.add_argument("--max-queue-wait-s", type=float, default=30.0)
     router.add_argument("--max-queued-tokens-per-worker", type=int, default=32_768)
-    router.add_argument("--max-requests-per-worker", type=int, default=256)
+    router.add_argument("--max-requests-per-worker", type=int, default=64)
     router.set_defaults(func=run_router)
 
 

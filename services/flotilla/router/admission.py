@@ -234,6 +234,7 @@ class Admission:
         if chosen is None:
             return None
         self._registry.record_placement(workers[chosen], num_prompt_tokens)
+        self._registry.assign(workers[chosen])  # released by the router service when the relay ends
         return Placement(workers[chosen], resolution)
 
     def _wait_budget(self, deadline_unix_s: float) -> float:

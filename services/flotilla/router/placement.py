@@ -24,7 +24,7 @@ class WorkerLoad:
 @dataclass(frozen=True)
 class PlacementLimits:
     max_queued_tokens_per_worker: int = 32_768
-    max_requests_per_worker: int = 256
+    max_requests_per_worker: int = 64  # a full batch here; the router holds the rest (fairly) in its queues
 
     def __post_init__(self) -> None:
         if self.max_queued_tokens_per_worker < 1 or self.max_requests_per_worker < 1:

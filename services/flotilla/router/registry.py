@@ -37,6 +37,11 @@ class WorkerEntry:
     num_placed_tokens: int = 0
     failed: bool = False  # a call found it unreachable; cleared by its next heartbeat
     num_inflight: int = 0  # streams relayed through its channel right now
+    # Requests this router placed here whose relay has not ended. Exact and without the heartbeat's lag, so
+    # a finished request frees its slot at once and the router, not the engine's FIFO queue, holds the
+    # backlog (fair queueing between tenants happens in the router).
+    num_assigned: int = 0
+    num_released_since_report: int = 0  # relays ended since the last report (which may still count them)
     was_healthy: bool = True  # for logging health transitions once
     state: int = rpb.WORKER_STATE_ACTIVE  # warm and draining workers get no new work (autoscaler)
 
@@ -88,6 +93,8 @@ class WorkerRegistry:
         entry.info.CopyFrom(info)
         if old is not None and old.channel is channel:
             entry.num_inflight = old.num_inflight
+        if old is not None:
+            entry.num_assigned = old.num_assigned
         pending = self._pending_states.pop(info.worker_id, None)
         if old is not None:
             entry.state = old.state
@@ -105,7 +112,7 @@ class WorkerRegistry:
             return False
         entry.report.CopyFrom(report)
         entry.last_heartbeat = self._clock()
-        entry.num_placed_requests = entry.num_placed_tokens = 0
+        entry.num_placed_requests = entry.num_placed_tokens = entry.num_released_since_report = 0
         entry.failed = False
         return True
 
@@ -196,14 +203,24 @@ class WorkerRegistry:
         entry.num_placed_requests += 1
         entry.num_placed_tokens += num_prompt_tokens
 
+    def assign(self, entry: WorkerEntry) -> None:
+        entry.num_assigned += 1
+
+    def release(self, entry: WorkerEntry) -> None:
+        entry.num_assigned = max(0, entry.num_assigned - 1)
+        entry.num_released_since_report += 1
+
     def load_of(self, entry: WorkerEntry) -> WorkerLoad:
         report = entry.report
         block_size = report.block_size or 1
         num_placed_blocks = math.ceil(entry.num_placed_tokens / block_size)
+        # The report lags: it may still count requests that ended since (subtract them) and may not yet count
+        # requests on their way there (num_assigned covers those, and requests of other routers are reported).
+        reported = report.num_running + report.num_waiting + entry.num_placed_requests - entry.num_released_since_report
         return WorkerLoad(
             worker_id=entry.worker_id,
             num_queued_tokens=report.num_queued_tokens + entry.num_placed_tokens,
-            num_requests=report.num_running + report.num_waiting + entry.num_placed_requests,
+            num_requests=max(entry.num_assigned, reported),
             num_free_blocks=max(0, report.num_free_blocks - num_placed_blocks),
             num_total_blocks=report.num_total_blocks,
         )

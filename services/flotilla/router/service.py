@@ -88,8 +88,11 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
                 await self._relay(request, placement, context, telemetry, arrived_s=arrived_s, progress=progress)
                 return
             except WorkerLost as lost:
-                arrived_s = arrived_s if not progress.num_delivered else None
-                placement = await self._after_loss(progress, placement, lost, context)
+                loss = lost
+            finally:
+                self._registry.release(placement.worker)  # its slot is free for the next queued request
+            arrived_s = arrived_s if not progress.num_delivered else None
+            placement = await self._after_loss(progress, placement, loss, context)
 
     async def _after_loss(self, progress: StreamProgress, placement: Placement, lost: WorkerLost,
                           context: grpc.aio.ServicerContext) -> Placement | None:
