@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+# Before torch loads OpenMP: threads that finish early sleep instead of spinning. On a machine whose cores
+# are shared with the gateway and router (one-machine fleets), spinning made a worker's steps 4.5x slower
+# under contention; on a quiet machine the two policies measured the same (loadtest/bench_engine.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Subcommand modules; each defines register(subparsers) and sets a `func(args) -> int` default.
 SUBCOMMAND_MODULES = ("flotilla.cli.model", "flotilla.cli.serve", "flotilla.cli.gateway", "flotilla.cli.up",

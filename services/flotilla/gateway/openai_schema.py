@@ -40,6 +40,7 @@ class CommonParams(RequestModel):
     top_k: int | None = Field(default=None, ge=0)  # not OpenAI's, but vLLM-style clients send it
     stop: str | list[str] | None = None
     seed: int | None = None
+    ignore_eos: bool = False  # vLLM's extension: exact output lengths (benchmarks compare like for like)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None

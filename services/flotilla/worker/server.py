@@ -39,7 +39,7 @@ async def serve(
     metrics = WorkerMetrics()
     metrics.watch_engine(engine.stats, model.name, worker_id)
     server = aio_server()
-    worker_service = WorkerService(engine, worker_id, model, metrics)
+    worker_service = WorkerService(engine, worker_id, model, metrics, stream_interval_s=config.stream_interval_s)
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(worker_service, server)
     port = bind(server, config.host, config.port)
     kv = await attach_kv_transfer(config.disagg, engine, server, worker_service, config.advertise_host or config.host,
