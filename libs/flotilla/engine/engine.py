@@ -88,13 +88,23 @@ class LLMEngine:
         """Validate and queue a request. Raises InvalidRequestError (or ContextLengthError) naming the field
         before any state changes. `num_previous_output_tokens` (a resumed stream): the prompt's last N tokens
         were generated before; sampling continues at output index N, text continues after theirs."""
+        request = self._build_request(
+            request_id, prompt_token_ids, sampling_params, priority, cache_salt, num_previous_output_tokens
+        )
+        self.scheduler.add_request(request)  # validates id, context window and KV capacity
+        self._tracked[request_id] = self._track(request)
+        self._num_prompt_tokens_total += request.num_prompt_tokens
+
+    def _build_request(
+        self, request_id, prompt_token_ids, sampling_params, priority, cache_salt, num_previous_output_tokens=0
+    ) -> Request:
         sampling_params.validate(max_tokens_limit=self.max_model_len)
         prompt = self._validated_prompt(prompt_token_ids)
         num_previous = num_previous_output_tokens
         if not isinstance(num_previous, int) or not 0 <= num_previous < len(prompt):
             raise InvalidRequestError("num_previous_output_tokens",
                                       f"must be in [0, {len(prompt)}), got {num_previous!r}")
-        request = Request(
+        return Request(
             request_id=request_id,
             prompt_token_ids=prompt,
             sampling_params=sampling_params,
@@ -103,9 +113,6 @@ class LLMEngine:
             eos_token_ids=tuple(self.tokenizer.eos_token_ids),
             num_previous_output_tokens=num_previous,
         )
-        self.scheduler.add_request(request)  # validates id, context window and KV capacity
-        self._tracked[request_id] = self._track(request)
-        self._num_prompt_tokens_total += len(prompt)
 
     def _track(self, request: Request) -> _Tracked:
         """Text state of a new request; a resumed one replays its earlier output so that the detokenizer and
@@ -130,15 +137,7 @@ class LLMEngine:
         cache_salt: str = "",
     ) -> Request:
         """A validated request that is NOT queued: a decode worker reserves its KV blocks first."""
-        sampling_params.validate(max_tokens_limit=self.max_model_len)
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=self._validated_prompt(prompt_token_ids),
-            sampling_params=sampling_params,
-            priority=Priority(priority),
-            cache_salt=cache_salt,
-            eos_token_ids=tuple(self.tokenizer.eos_token_ids),
-        )
+        request = self._build_request(request_id, prompt_token_ids, sampling_params, priority, cache_salt)
         self.scheduler.validate_new(request)
         return request
 
@@ -151,11 +150,7 @@ class LLMEngine:
         self.kv_cache_manager.publish_blocks(request, 0, request.num_prompt_tokens)
         self.scheduler.adopt_running(request)
         request.output_token_ids.append(first_token_id)
-        tracked = self._tracked[request.request_id] = _Tracked(
-            request,
-            IncrementalDetokenizer(self.tokenizer, prompt_token_ids=request.prompt_token_ids),
-            StopChecker(request, self.max_model_len),
-        )
+        tracked = self._tracked[request.request_id] = self._track(request)
         self._num_prompt_tokens_total += request.num_prompt_tokens
         runner_output = ModelRunnerOutput(logprobs={request.request_id: logprobs} if logprobs else {})
         return self._advance(tracked, first_token_id, runner_output)
