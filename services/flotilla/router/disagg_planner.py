@@ -95,6 +95,8 @@ class DisaggPlanner:
     def _move_placement(self, old: WorkerEntry, new: WorkerEntry, num_tokens: int) -> None:
         old.num_placed_requests = max(0, old.num_placed_requests - 1)
         old.num_placed_tokens = max(0, old.num_placed_tokens - num_tokens)
+        old.num_assigned = max(0, old.num_assigned - 1)  # the relay releases the worker it really used
+        new.num_assigned += 1
         self._registry.record_placement(new, num_tokens)
 
 

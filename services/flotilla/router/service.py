@@ -89,8 +89,6 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
                 return
             except WorkerLost as lost:
                 loss = lost
-            finally:
-                self._registry.release(placement.worker)  # its slot is free for the next queued request
             arrived_s = arrived_s if not progress.num_delivered else None
             placement = await self._after_loss(progress, placement, loss, context)
 
@@ -168,6 +166,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
             # aborts the request in its engine.
             call.cancel()
             worker.num_inflight -= 1
+            self._registry.release(worker)  # its slot is free for the next queued request
 
     def _record_tokens(self, placement: Placement, num_tokens: int, arrived_s: float | None) -> float | None:
         """Count relayed tokens for the token mix; the first ones also give a TTFT sample. Returns None
