@@ -70,6 +70,8 @@ SCHEMA = {
         "keys": {"type": "object", "additionalProperties": False, "properties": {
             "existingSecret": {"type": "string"}, "keysJson": {"type": "string"},
             "limits": {"type": "object", "properties": {"maxBodyBytes": {"type": "integer", "minimum": 1}}}}},
+        "grafana": {"type": "object", "additionalProperties": False, "properties": {
+            "dashboard": {"type": "boolean"}, "sidecarLabel": {"type": "string", "minLength": 1}}},
         "redis": {"type": "object", "additionalProperties": False, "properties": {
             "enabled": {"type": "boolean"}, "image": IMAGE, "resources": RESOURCES, "url": {"type": "string"}}},
     },
