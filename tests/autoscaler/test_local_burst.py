@@ -9,8 +9,10 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.router.v1 import router_pb2_grpc
@@ -87,6 +89,17 @@ def test_burst_promotes_the_warm_worker_and_refills_the_warm_pool(fleet):
     # The pool grew to max_replicas and a fresh worker refills the warm pool behind the promotion.
     _until(lambda: sorted(s.state for s in _workers(router).values()) ==
            [rpb.WORKER_STATE_ACTIVE, rpb.WORKER_STATE_ACTIVE, rpb.WORKER_STATE_WARM], 120, "warm pool refill")
+    # The supervisor's gauges, scraped from its /metrics (served by the launcher process): 2 active + 1 warm.
+    _until(lambda: _autoscaler_gauges(local_fleet) == {"desired": 3.0, "actual": 3.0, "active": 2.0, "warm": 1.0},
+           30, "the autoscaler gauges to show the refilled pool")
+
+
+def _autoscaler_gauges(local_fleet: LocalFleet) -> dict[str, float]:
+    text = httpx.get(f"http://{local_fleet.metrics_targets()['autoscaler']}/metrics", timeout=5).text
+    prefix, suffix = "flotilla_autoscaler_", "_replicas"
+    return {sample.name[len(prefix):-len(suffix)]: sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples
+            if sample.name.startswith(prefix) and sample.labels.get("model") == MODEL}
 
 
 def test_idle_pool_drains_back_to_min_and_stops_the_drained_worker(fleet):

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+from prometheus_client import CollectorRegistry
+
 from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.autoscaler.policy import PoolPolicy
 from flotilla.autoscaler.signals import PoolSignals
 from flotilla.autoscaler.supervisor import LocalSupervisor, SupervisorConfig
+from flotilla.observability.autoscaler import AutoscalerMetrics
 
 
 class ScriptedRouter:
@@ -116,3 +119,24 @@ def test_drained_worker_stops_only_after_its_streams_finish():
     supervisor.tick()
     assert launcher.stopped == ["w2"]
     assert router.statuses["w1"].state == rpb.WORKER_STATE_ACTIVE
+
+
+def _gauge(registry: CollectorRegistry, name: str) -> float | None:
+    return registry.get_sample_value(name, {"pool": "m", "model": "m", "role": "both"})
+
+
+def test_each_tick_sets_desired_and_actual_replica_gauges():
+    supervisor, router, _, _ = make(POLICY)
+    registry = CollectorRegistry()
+    supervisor.metrics = AutoscalerMetrics.create(registry)
+    router.add("w1", rpb.WORKER_STATE_ACTIVE)
+    router.queued_tokens = 250  # 3 active wanted, plus the warm one
+    supervisor.tick()
+    assert _gauge(registry, "flotilla_autoscaler_desired_replicas") == 4
+    assert _gauge(registry, "flotilla_autoscaler_actual_replicas") == 1
+    assert (_gauge(registry, "flotilla_autoscaler_active_replicas"), _gauge(registry, "flotilla_autoscaler_warm_replicas")) == (1, 0)
+    for worker_id in sorted(router.pending):  # the started workers register (warm) and get promoted
+        router.add(worker_id, router.pending.pop(worker_id))
+    supervisor.tick()
+    assert _gauge(registry, "flotilla_autoscaler_actual_replicas") == 4
+    assert _gauge(registry, "flotilla_autoscaler_warm_replicas") == 3  # what the router reported this tick

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from flotilla.api.common.v1 import common_pb2
 from flotilla.api.kvtransfer.v1 import kv_transfer_pb2 as kpb
@@ -32,7 +34,7 @@ def fleet_config(checkpoint: Path, state_dir: Path, num_prefill: int, num_decode
         num_decode_workers=num_decode,
         worker_args=["--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS),
                      "--min-remote-prefill-tokens", "16", *extra],  # fmt: skip
-        metrics=False,
+        metrics=True,  # workers' /metrics carry the KV transfer figures (kv_transfer_bytes)
     )
 
 
@@ -92,3 +94,11 @@ def assert_clean(workers: list[ServiceProcess], timeout_s: float = 30.0) -> list
         return until(clean, timeout_s, "every worker to be idle with all blocks free", interval_s=0.05)
     except AssertionError:
         raise AssertionError(f"not clean: {[kv_state(w) for w in workers]}") from None
+
+
+def kv_transfer_bytes(fleet: LocalFleet, worker: ServiceProcess, direction: str) -> float:
+    """flotilla_kv_transfer_bytes_total{direction} scraped from the worker's /metrics (0 before any transfer)."""
+    target = fleet.metrics_targets()[worker.name]
+    text = httpx.get(f"http://{target}/metrics", timeout=10).text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "flotilla_kv_transfer_bytes_total" and sample.labels.get("direction") == direction)

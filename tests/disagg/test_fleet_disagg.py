@@ -13,7 +13,7 @@ import openai
 from flotilla.api.router.v1 import router_pb2, router_pb2_grpc
 from flotilla.engine.sampling_params import SamplingParams
 
-from disagg.fleet_helpers import MODEL, assert_clean, kv_state, load, until, workers_with_role
+from disagg.fleet_helpers import MODEL, assert_clean, kv_state, kv_transfer_bytes, load, until, workers_with_role
 
 WORDS = ["ships", "harbours", "lighthouses", "tides", "knots", "sails", "anchors", "compasses"]
 NUM_WORDS = [2, 12, 45, 90, 160, 320]  # ~5 to ~700 tokens: local prefill, one chunk, several chunks
@@ -55,16 +55,29 @@ def test_disaggregated_output_equals_colocated(disagg_fleet, reference):
         client = _client(disagg_fleet)
         return await asyncio.gather(*(_complete(client, *case) for case in cases))
 
-    (prefill,) = workers_with_role(disagg_fleet.fleet, "prefill")
+    fleet = disagg_fleet.fleet
+    (prefill,) = workers_with_role(fleet, "prefill")
+    decode = workers_with_role(fleet, "decode")
+    sent_before, received_before = kv_state(prefill).num_bytes_sent, kv_transfer_bytes_by(fleet, decode, "receive")
+    metric_sent_before = kv_transfer_bytes(fleet, prefill, "send")
     for attempt in ("cold", "prefix hits"):
         results = asyncio.run(run_all())
         assert [(text, n) for text, n, _ in results] == expected, attempt
     # The 13 prompts over 16 tokens went through the prefill worker; on the second pass the decode workers
     # hold most of them, so only the short uncached remainders are computed there.
     assert kv_state(prefill).num_transfers_completed >= 13
-    decode_states = [kv_state(w) for w in workers_with_role(disagg_fleet.fleet, "decode")]
+    decode_states = [kv_state(w) for w in decode]
     assert sum(s.num_local_fallbacks for s in decode_states) == 0
-    assert_clean(disagg_fleet.fleet.workers)
+    # The KV bytes metric: what the prefill worker's writes moved, counted once on each side.
+    sent = kv_state(prefill).num_bytes_sent - sent_before
+    assert sent > 0
+    assert kv_transfer_bytes(fleet, prefill, "send") - metric_sent_before == sent
+    assert kv_transfer_bytes_by(fleet, decode, "receive") - received_before == sent
+    assert_clean(fleet.workers)
+
+
+def kv_transfer_bytes_by(fleet, workers, direction: str) -> float:
+    return sum(kv_transfer_bytes(fleet, w, direction) for w in workers)
 
 
 def _router_report(fleet, worker_id: str):
@@ -98,3 +111,24 @@ def test_shared_system_prompt_spreads_within_load_cap_with_prefix_hits(disagg_fl
     assert served[holder.name] > served[other] > 0  # affinity, but capped: the other worker took some too
     assert sum(1 for _, _, cached in results if cached > 0) >= 6  # prefix hits still happen
     assert_clean(fleet.workers)
+
+
+def test_decode_worker_traces_the_kv_transfer_under_its_generate_span(disagg_fleet):
+    fleet, receiver = disagg_fleet.fleet, disagg_fleet.spans
+    decode_ids = {w.name for w in workers_with_role(fleet, "decode")}
+    text = _text(7, 90)  # ~200 tokens: prefilled remotely
+
+    def transfer_trees(spans):
+        generate = {(s.trace_id, s.span_id): s for s in spans if s.name == "worker.generate"}
+        return [(s, generate.get((s.trace_id, s.parent_span_id))) for s in spans if s.name == "worker.kv_transfer"]
+
+    already = len(transfer_trees(receiver.spans))
+    asyncio.run(_complete(_client(disagg_fleet), text, 4, False))
+    assert receiver.wait_for(lambda spans: len(transfer_trees(spans)) > already, timeout_s=30.0)
+    assert receiver.wait_for(lambda spans: all(parent is not None for _, parent in transfer_trees(spans)),
+                             timeout_s=30.0), "a worker.kv_transfer span without its worker.generate parent"
+    for transfer, parent in transfer_trees(receiver.spans):
+        assert transfer.service == parent.service == "flotilla-worker"
+        assert parent.attributes["flotilla.worker_id"] in decode_ids
+        assert transfer.attributes["flotilla.kv_transfer.bytes"] > 0
+        assert transfer.attributes["flotilla.kv_transfer.writes"] > 0

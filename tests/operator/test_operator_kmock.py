@@ -55,7 +55,7 @@ def _get(kube: kmock.KubernetesEmulator, key, *path):
 
 async def test_pool_creates_deployment_scales_on_signals_and_writes_status(kube, router, workers):
     registry = kopf.OperatorRegistry()
-    register_handlers(registry, OperatorConfig(router_address=router.address, interval_s=0.2,
+    metrics = register_handlers(registry, OperatorConfig(router_address=router.address, interval_s=0.2,
                                                kube_host=str(kube.url).rstrip("/")))
     settings = kopf.OperatorSettings()
     settings.posting.enabled = False
@@ -94,6 +94,9 @@ async def test_pool_creates_deployment_scales_on_signals_and_writes_status(kube,
         assert (status["desiredReplicas"], status["activeReplicas"], status["warmReplicas"]) == (5, 4, 1)
         assert status["lastDecision"]["reason"]  # "up 1->4 (queued tokens 3500): ..." then "hold"
         assert status["lastScaleUpTime"] is not None
+        labels = {"pool": "decode-a", "model": "tiny", "role": "decode"}
+        desired = [s.value for s in metrics.desired_replicas.collect()[0].samples if s.labels == labels]
+        assert desired == [5]  # the gauge follows the status
     finally:
         stop.set()
         await asyncio.wait_for(operator, 20)

@@ -14,6 +14,7 @@ from flotilla.fleet.process import ProcessFailed, ServiceProcess
 if TYPE_CHECKING:
     from flotilla.autoscaler.policy import PoolPolicy
     from flotilla.autoscaler.supervisor import LocalSupervisor
+    from flotilla.observability.exposition import MetricsServer
 from flotilla.rpc.options import read_port_file
 
 START_TIMEOUT_S = 180.0  # a worker loads weights and allocates its KV pool before it serves
@@ -53,6 +54,7 @@ class LocalFleet:
         self.gateway_url = ""
         self._next_worker = 0
         self.supervisor: LocalSupervisor | None = None
+        self._autoscaler_metrics: MetricsServer | None = None  # /metrics of the supervisor's gauges
 
     @property
     def model_name(self) -> str:
@@ -98,7 +100,20 @@ class LocalFleet:
 
         config = SupervisorConfig(self.model_name, self.config.autoscale, self.config.autoscale_interval_s)
         self.supervisor = LocalSupervisor(config, RouterClient(self.router_address), FleetLauncher(self))
+        if self.config.metrics:  # the supervisor runs in this process: its gauges get their own /metrics
+            self._serve_autoscaler_metrics(self.supervisor)
         self.supervisor.start()
+
+    def _serve_autoscaler_metrics(self, supervisor: LocalSupervisor) -> None:
+        from prometheus_client import CollectorRegistry
+
+        from flotilla.observability.autoscaler import AutoscalerMetrics
+        from flotilla.observability.exposition import serve_metrics
+
+        registry = CollectorRegistry()
+        supervisor.metrics = AutoscalerMetrics.create(registry)
+        port_file = self._metrics_port_file("autoscaler")
+        self._autoscaler_metrics = serve_metrics(registry, self.config.host, 0, str(port_file))
 
     def next_worker_id(self) -> str:
         return f"worker-{self._next_worker}"
@@ -154,6 +169,8 @@ class LocalFleet:
         targets = {}
         if self.gateway is not None and self.gateway.port is not None:
             targets["gateway"] = f"{self.config.host}:{self.gateway.port}"
+        if self._autoscaler_metrics is not None:
+            targets["autoscaler"] = f"{self.config.host}:{self._autoscaler_metrics.port}"
         for service in [self.router, *self.workers]:
             port = read_port_file(self._metrics_port_file(service.name)) if service is not None else None
             if port is not None and service.is_running():
@@ -183,6 +200,9 @@ class LocalFleet:
         if self.supervisor is not None:
             self.supervisor.stop()  # no scaling while the fleet goes down
             self.supervisor = None
+        if self._autoscaler_metrics is not None:
+            self._autoscaler_metrics.stop()
+            self._autoscaler_metrics = None
         for service in self.services():
             service.stop()
 

@@ -13,8 +13,11 @@ from typing import Any
 
 import grpc
 import kopf
+from prometheus_client import CollectorRegistry
 
 from flotilla.autoscaler.router_client import RouterClient
+from flotilla.observability.autoscaler import AutoscalerMetrics
+from flotilla.observability.exposition import serve_metrics
 from flotilla.operator import manifests
 from flotilla.operator.config import OperatorConfig
 from flotilla.operator.kube import Kube, api_client
@@ -22,8 +25,13 @@ from flotilla.operator.pool_spec import GROUP, PLURAL, VERSION, InvalidPoolSpec,
 from flotilla.operator.scaler import rescale
 
 
-def register_handlers(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
+def register_handlers(registry: kopf.OperatorRegistry, config: OperatorConfig) -> AutoscalerMetrics:
+    """-> the autoscaler gauges the timer sets (served on config.metrics_port when given)."""
     kube = Kube(api_client(config.kube_host))
+    metrics_registry = CollectorRegistry()
+    metrics = AutoscalerMetrics.create(metrics_registry)
+    if config.metrics_port is not None:
+        serve_metrics(metrics_registry, "0.0.0.0", config.metrics_port)  # scraped from inside the cluster
     routers: dict[str, RouterClient] = {}
 
     def router_for(spec: PoolSpec) -> RouterClient | None:
@@ -84,6 +92,10 @@ def register_handlers(registry: kopf.OperatorRegistry, config: OperatorConfig) -
         ready = (deployment.get("status") or {}).get("ready_replicas") or 0
         for key, value in result.status(ready).items():
             patch.status[key] = value
+        metrics.set(meta["name"], pool.model.name, pool.role, desired=result.replicas, actual=ready,
+                    active=result.signals.num_active, warm=result.signals.num_warm)
+
+    return metrics
 
 
 def _parse(spec: kopf.Spec) -> PoolSpec:

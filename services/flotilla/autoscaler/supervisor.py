@@ -22,6 +22,7 @@ from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.autoscaler.control import Decision, ScalerState, decide
 from flotilla.autoscaler.policy import PoolPolicy
 from flotilla.autoscaler.router_client import RouterClient
+from flotilla.observability.autoscaler import AutoscalerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class LocalSupervisor:
     _draining: dict[str, _Draining] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+    metrics: AutoscalerMetrics | None = None  # set on every tick (desired vs actual replicas)
 
     # ---- one tick ----------------------------------------------------------------------------------
     def tick(self) -> Decision:
@@ -84,6 +86,11 @@ class LocalSupervisor:
         signals = self.router.signals(self.config.model, self.config.window_s)
         decision = decide(self.config.policy, signals, self.state, now, len(self._starting))
         self.state = decision.state
+        if self.metrics is not None:
+            self.metrics.set(self.config.model, self.config.model, "both",
+                             desired=decision.num_active + decision.num_warm,
+                             actual=signals.num_active + signals.num_warm,
+                             active=signals.num_active, warm=signals.num_warm)  # fmt: skip
         if decision.changed:
             event = self._apply(decision, statuses, now)
             self.events.append(event)

@@ -15,8 +15,10 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable
+from typing import TYPE_CHECKING
 
 import grpc
+from opentelemetry import trace
 
 from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.kvtransfer.v1 import kv_transfer_pb2 as kpb
@@ -24,8 +26,12 @@ from flotilla.api.kvtransfer.v1 import kv_transfer_pb2_grpc
 from flotilla.engine.async_engine import EngineDeadError, Prefilled, RequestStream
 from flotilla.engine.remote_prefill import KVReservation, release, try_reserve
 from flotilla.engine.scheduler_output import TokenLogprobs
+from flotilla.observability.kv_transfer import KVTransferMetrics
 from flotilla.rpc.convert import priority_from_proto, sampling_params_from_proto
 from flotilla.worker.kv_handoff import KVHandoff
+
+if TYPE_CHECKING:
+    from flotilla.worker.telemetry import RequestTelemetry
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +43,15 @@ class HandoffFailed(Exception):
 
 
 class DecodeSide:
-    def __init__(self, handoff: KVHandoff, self_address: str):
+    def __init__(self, handoff: KVHandoff, self_address: str, metrics: KVTransferMetrics | None = None,
+                 model: str = ""):
         self._handoff = handoff
         self._self_address = self_address
+        self._metrics = metrics
+        self._model = model
 
-    async def open_stream(self, gen: pb.GenerateRequest, prefill_address: str) -> RequestStream | None:
+    async def open_stream(self, gen: pb.GenerateRequest, prefill_address: str,
+                          telemetry: RequestTelemetry | None = None) -> RequestStream | None:
         """The request's stream after a remote prefill, or None when it should be prefilled locally.
         Raises InvalidRequestError (before anything is held) and EngineDeadError."""
         handoff = self._handoff
@@ -55,24 +65,32 @@ class DecodeSide:
             return None
         transfer_id = f"{gen.request_id}.{uuid.uuid4().hex[:8]}"
         handoff.incoming[transfer_id] = reservation
+        span = telemetry.kv_transfer_span() if telemetry is not None else trace.INVALID_SPAN
+        span.set_attribute("flotilla.kv_transfer.prefill_worker", prefill_address)
         try:
-            prefilled = await self._fill(gen, transfer_id, reservation, prefill_address)
+            prefilled = await self._fill(gen, transfer_id, reservation, prefill_address, span)
         except HandoffFailed as exc:
             logger.warning("remote prefill of %s failed (%s); prefilling here", gen.request_id, exc)
+            span.set_status(trace.Status(trace.StatusCode.ERROR, f"local fallback: {exc}"))
             handoff.counters.num_local_fallbacks += 1
             await self._release(transfer_id, reservation)
             return None
         except BaseException:  # cancelled by the caller, or the engine died
+            span.set_status(trace.Status(trace.StatusCode.ERROR, "cancelled"))
             await self._release(transfer_id, reservation)
             raise
+        finally:
+            span.end()
         handoff.incoming.pop(transfer_id, None)
         handoff.arrivals.forget(transfer_id)
         return await handoff.engine.generate_prefilled(prefilled)
 
     async def _fill(
-        self, gen: pb.GenerateRequest, transfer_id: str, reservation: KVReservation, prefill_address: str
+        self, gen: pb.GenerateRequest, transfer_id: str, reservation: KVReservation, prefill_address: str,
+        span: trace.Span,
     ) -> Prefilled:
         handoff = self._handoff
+        started = time.perf_counter()
         lease_s = handoff.settings.lease_s
         deadline = time.monotonic() + lease_s
         stub = handoff.peer_stub(prefill_address)
@@ -92,6 +110,11 @@ class DecodeSide:
             await asyncio.wait_for(arrived, max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             raise HandoffFailed(f"{response.num_writes} writes did not all arrive within the lease") from None
+        # Every layer's blocks are here: the hand-off is complete on this side.
+        span.set_attribute("flotilla.kv_transfer.bytes", response.num_bytes)
+        span.set_attribute("flotilla.kv_transfer.writes", response.num_writes)
+        if self._metrics is not None:
+            self._metrics.observe(self._model, "receive", response.num_bytes, time.perf_counter() - started)
         logprobs = None
         if response.HasField("first_logprob"):
             lp = response.first_logprob

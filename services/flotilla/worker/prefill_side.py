@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import grpc
 
@@ -20,6 +21,7 @@ from flotilla.engine.async_engine import EngineDeadError
 from flotilla.engine.errors import InvalidRequestError
 from flotilla.engine.outputs import RequestOutput
 from flotilla.engine.remote_prefill import RemoteTarget
+from flotilla.observability.kv_transfer import KVTransferMetrics
 from flotilla.rpc.convert import logprobs_to_proto, priority_from_proto, sampling_params_from_proto
 from flotilla.worker.kv_handoff import KVHandoff
 
@@ -27,14 +29,17 @@ logger = logging.getLogger(__name__)
 
 
 class PrefillSide:
-    def __init__(self, handoff: KVHandoff):
+    def __init__(self, handoff: KVHandoff, metrics: KVTransferMetrics | None = None, model: str = ""):
         self._handoff = handoff
+        self._metrics = metrics
+        self._model = model
 
     async def remote_prefill(
         self, request: kpb.RemotePrefillRequest, context: grpc.aio.ServicerContext
     ) -> kpb.RemotePrefillResponse:
         handoff, gen = self._handoff, request.request
         transfer_id = request.transfer_id
+        started = time.perf_counter()
         try:
             await handoff.ensure_peer(request.decode_agent_name, request.decode_worker_address, request.lease_s or 30)
         except (grpc.aio.AioRpcError, ValueError, RuntimeError) as exc:
@@ -58,6 +63,8 @@ class PrefillSide:
             return _failed(pb.ERROR_CODE_UNAVAILABLE, f"KV hand-off failed: {target.error or 'prefill aborted'}")
         handoff.counters.num_completed += 1
         handoff.counters.num_bytes_sent += target.num_bytes
+        if self._metrics is not None:  # seconds: the call until every write completed (prefill overlaps it)
+            self._metrics.observe(self._model, "send", target.num_bytes, time.perf_counter() - started)
         response = kpb.RemotePrefillResponse(
             first_token_id=first.new_token_ids[0], num_writes=target.num_writes, num_bytes=target.num_bytes,
             num_cached_prompt_tokens=first.num_cached_prompt_tokens,

@@ -47,7 +47,9 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
         self.model = model
         self.metrics = metrics or WorkerMetrics()
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                       telemetry: RequestTelemetry | None = None) -> None:
+        """`telemetry`: a disaggregated call's, when it prefills here after all; finished here either way."""
         if not self._serves(request.model):
             message = f"this worker serves {self.model.name}@{self.model.version}, not {request.model}"
             await context.write(error_response(pb.ERROR_CODE_MODEL_NOT_FOUND, message, "model", self.worker_id))
@@ -62,15 +64,19 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
                 num_previous_output_tokens=request.num_previous_output_tokens,  # a resumed stream
             )
         except InvalidRequestError as exc:
+            _finish(telemetry, "invalid_request")
             await context.write(invalid_request_response(exc, self.worker_id))
             return
         except EngineDeadError as exc:
+            _finish(telemetry, "unavailable")
             await context.write(error_response(pb.ERROR_CODE_UNAVAILABLE, str(exc), worker_id=self.worker_id))
             return
+        except BaseException:
+            _finish(telemetry, "cancelled")
+            raise
         # A cancelled RPC (the caller went away, or its deadline passed) raises CancelledError at an await
         # below; closing the stream then aborts the request in the engine.
-        telemetry = RequestTelemetry(self.metrics, self.model.name, self.worker_id, request.request_id,
-                                     context.invocation_metadata())
+        telemetry = telemetry or self.telemetry(request.request_id, context)
         outcome = "cancelled"  # unless the stream ends or fails below
         try:
             async for output in stream:
@@ -86,6 +92,10 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
         finally:
             stream.close()
             telemetry.finish(outcome)
+
+    def telemetry(self, request_id: str, context: grpc.aio.ServicerContext) -> RequestTelemetry:
+        return RequestTelemetry(self.metrics, self.model.name, self.worker_id, request_id,
+                                context.invocation_metadata())
 
     def _serves(self, requested: str) -> bool:
         """The router sends name@version; a mismatch means this address now holds other weights."""
@@ -111,6 +121,11 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
 
     async def GetLoad(self, request: wpb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReport:
         return current_load(self._engine)
+
+
+def _finish(telemetry: RequestTelemetry | None, outcome: str) -> None:
+    if telemetry is not None:
+        telemetry.finish(outcome)
 
 
 def current_load(engine: AsyncEngine) -> pb.LoadReport:

@@ -1,6 +1,6 @@
 """Worker metrics and per-request tracing: the latency histograms, engine load figures read from stats(),
-and for each Generate call a span tree (worker.generate > worker.prefill, worker.decode) plus one JSON log
-record. The prefill span runs from submission to the first token, so it includes any wait in the engine."""
+and for each Generate call a span tree (worker.generate > worker.prefill, worker.decode, and on a decode worker
+that received the prompt's KV from a prefill worker, worker.kv_transfer) plus one JSON log record. The prefill span runs from submission to the first token, so it includes any wait in the engine."""
 
 from __future__ import annotations
 
@@ -50,6 +50,10 @@ class RequestTelemetry:
         self._decode: trace.Span | None = None
         self._num_prompt_tokens = 0
         self._num_cached_tokens = 0
+
+    def kv_transfer_span(self) -> trace.Span:
+        """A child of worker.generate for one KV hand-off; the caller ends it."""
+        return tracer().start_span("worker.kv_transfer", context=trace.set_span_in_context(self.span))
 
     def on_output(self, output: RequestOutput) -> None:
         self._num_prompt_tokens = output.num_prompt_tokens
