@@ -22,6 +22,7 @@ from flotilla.operator import manifests
 from flotilla.operator.config import OperatorConfig
 from flotilla.operator.kube import Kube, api_client
 from flotilla.operator.pool_spec import GROUP, PLURAL, VERSION, InvalidPoolSpec, PoolSpec, parse_spec
+from flotilla.operator.ratio import decode_replicas, total_decode_replicas
 from flotilla.operator.scaler import rescale
 
 
@@ -65,9 +66,16 @@ def register_handlers(registry: kopf.OperatorRegistry, config: OperatorConfig) -
                                                       f"warm {pool.policy.warm_replicas} replicas"}
         logger.info("InferencePool %s reconciled", meta["name"])
 
+    @kopf.index(GROUP, VERSION, PLURAL, id="decode_pools", registry=registry)  # id: the kwarg name
+    def decode_pools(namespace: str, spec: kopf.Spec, status: kopf.Status, **_: Any) -> dict | None:
+        """(namespace, model) -> each decode pool's size: the prefill pool's ratio floor scales from it."""
+        if spec.get("role") != "decode" or "name" not in spec.get("model", {}):
+            return None
+        return {(namespace, spec["model"]["name"]): decode_replicas(dict(status))}
+
     @kopf.timer(GROUP, VERSION, PLURAL, interval=config.interval_s, registry=registry)
     def rescale_pool(body: kopf.Body, spec: kopf.Spec, status: kopf.Status, patch: kopf.Patch, logger,
-                     **_: Any) -> None:
+                     decode_pools: kopf.Index, **_: Any) -> None:
         pool = _parse(spec)
         meta = _raw(body)["metadata"]
         name = manifests.worker_name(meta["name"])
@@ -79,7 +87,8 @@ def register_handlers(registry: kopf.OperatorRegistry, config: OperatorConfig) -
             return  # no signals: the pool stays at min + warm
         current = deployment["spec"]["replicas"] or 0
         try:
-            result = rescale(pool, dict(status), router, current, time.time())
+            num_decode = total_decode_replicas(decode_pools.get((meta["namespace"], pool.model.name), []))
+            result = rescale(pool, dict(status), router, current, time.time(), num_decode)
         except grpc.RpcError as error:
             raise kopf.TemporaryError(f"router unreachable: {error.code()}", delay=config.interval_s)
         for worker_id in result.drained:  # drained: let the ReplicaSet remove exactly these pods first

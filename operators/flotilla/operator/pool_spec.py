@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flotilla.api.common.v1 import common_pb2 as pb
-from flotilla.autoscaler.policy import PoolPolicy
+from flotilla.autoscaler.policy import PoolPolicy, RoleThroughput
 
 GROUP = "flotilla.dev"
 VERSION = "v1alpha1"
@@ -45,6 +45,8 @@ class PoolSpec:
     worker: WorkerTemplate
     router_address: str  # "" : the operator's default
     signals_window_s: float
+    # Per-replica tokens/s of each role (loadtest figures): weigh the token mix into the prefill:decode ratio.
+    throughput: RoleThroughput = RoleThroughput(1.0, 1.0)
 
 
 def parse_spec(spec: dict[str, Any]) -> PoolSpec:
@@ -84,6 +86,8 @@ def parse_spec(spec: dict[str, Any]) -> PoolSpec:
             ),
             router_address=spec.get("routerAddress", ""),
             signals_window_s=float(scaling.get("signalsWindowSeconds", 60)),
+            throughput=RoleThroughput(float(scaling.get("prefillTokensPerSecond", 1.0)),
+                                      float(scaling.get("decodeTokensPerSecond", 1.0))),
         )
     except (KeyError, TypeError, ValueError) as error:
         if isinstance(error, InvalidPoolSpec):

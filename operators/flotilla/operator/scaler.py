@@ -15,9 +15,10 @@ from typing import Any
 
 from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.autoscaler.control import NEVER, Decision, ScalerState, decide
-from flotilla.autoscaler.router_client import RouterClient
+from flotilla.autoscaler.router_client import RouterClient, token_mix
 from flotilla.autoscaler.signals import PoolSignals
 from flotilla.operator.pool_spec import ROLES, PoolSpec
+from flotilla.operator.ratio import explain, prefill_floor, with_floor
 
 
 @dataclass
@@ -55,8 +56,9 @@ def scaler_state(status: dict[str, Any]) -> ScalerState:
 
 
 def rescale(spec: PoolSpec, status: dict[str, Any], router: RouterClient, current_replicas: int,
-            now_s: float) -> RescaleResult:
-    """now_s: wall-clock seconds (the state lives in the status, across operator restarts)."""
+            now_s: float, num_decode: int | None = None) -> RescaleResult:
+    """now_s: wall-clock seconds (the state lives in the status, across operator restarts).
+    num_decode: a prefill pool's decode replicas of the same model (None: no decode pool, no ratio floor)."""
     role = ROLES[spec.role]
     workers = {w.worker.worker_id: w for w in router.workers(spec.model.name) if w.worker.role == role}
     draining = [w for w in status.get("draining", []) if w in workers]
@@ -64,7 +66,11 @@ def rescale(spec: PoolSpec, status: dict[str, Any], router: RouterClient, curren
     draining = [w for w in draining if w not in drained]
     signals = router.signals(spec.model.name, spec.signals_window_s, role)
     num_starting = max(0, current_replicas - len(workers) - len(drained))
-    decision = decide(spec.policy, signals, scaler_state(status), now_s, num_starting)
+    floor = None
+    if spec.role == "prefill" and num_decode is not None:
+        floor = prefill_floor(spec.policy, num_decode, token_mix(signals), spec.throughput)
+    decision = explain(decide(with_floor(spec.policy, floor), signals, scaler_state(status), now_s, num_starting),
+                       floor)
     draining += _settle(router, workers, decision)
     replicas = decision.num_active + decision.num_warm + len(draining)
     return RescaleResult(replicas, decision, signals, draining, drained)
