@@ -24,8 +24,9 @@ HELM = Path(os.environ.get("FLOTILLA_HELM", ROOT / ".cache" / "helm" / "2.2.2" /
 KUBERNETES_VERSION = "1.35.0"
 CASES = {"default": None, **{p.stem: p for p in sorted((CHART / "examples").glob("*.yaml"))}}
 # Kinds whose schemas kubernetes-validate does not ship: the chart's own CRD (checked below against the CRD's
-# schema) and the Prometheus operator's ServiceMonitor (not checked: its CRD is not vendored here).
-CUSTOM_KINDS = {"InferencePool", "ServiceMonitor"}
+# schema) and the Prometheus operator's ServiceMonitor and PodMonitor (not checked: their CRDs are not
+# vendored here).
+CUSTOM_KINDS = {"InferencePool", "ServiceMonitor", "PodMonitor"}
 
 pytestmark = pytest.mark.skipif(not HELM.exists(), reason=f"no helm binary at {HELM}: run `make helm` (needs npm)")
 
