@@ -48,9 +48,7 @@ class CopyTransport(KVTransport):
     def write_layer(
         self, agent_name: str, layer: int, src_block_ids: Sequence[int], dst_block_ids: Sequence[int], notif: bytes
     ) -> WriteTicket:
-        if len(src_block_ids) != len(dst_block_ids):
-            raise ValueError("src and dst block lists differ in length")
-        ticket = WriteTicket(2 * len(src_block_ids) * self.layout.block_bytes)
+        ticket = WriteTicket.for_layer(src_block_ids, dst_block_ids, self.layout.block_bytes)
         self._jobs.put((agent_name, layer, list(src_block_ids), list(dst_block_ids), notif, ticket))
         return ticket
 

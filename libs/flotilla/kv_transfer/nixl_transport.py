@@ -90,9 +90,7 @@ class NixlTransport(KVTransport):
     def write_layer(
         self, agent_name: str, layer: int, src_block_ids: Sequence[int], dst_block_ids: Sequence[int], notif: bytes
     ) -> WriteTicket:
-        if len(src_block_ids) != len(dst_block_ids):
-            raise ValueError("src and dst block lists differ in length")
-        ticket = WriteTicket(2 * len(src_block_ids) * self.layout.block_bytes)
+        ticket = WriteTicket.for_layer(src_block_ids, dst_block_ids, self.layout.block_bytes)
         write = _Write(agent_name, layer, list(src_block_ids), list(dst_block_ids), notif, ticket)
         self._commands.put(lambda: self._post(write))
         return ticket

@@ -32,6 +32,13 @@ class WriteTicket:
         self.error: str | None = None
         self._done = threading.Event()
 
+    @classmethod
+    def for_layer(cls, src_block_ids: Sequence[int], dst_block_ids: Sequence[int], block_bytes: int) -> WriteTicket:
+        """The ticket of one layer's write: K and V of every block pair."""
+        if len(src_block_ids) != len(dst_block_ids):
+            raise ValueError("src and dst block lists differ in length")
+        return cls(2 * len(src_block_ids) * block_bytes)
+
     def finish(self, error: str | None = None) -> None:
         self.error = error
         self._done.set()
