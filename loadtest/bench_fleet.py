@@ -5,6 +5,7 @@ tokens), in one run; optionally vLLM's OpenAI server on the same checkpoint too.
 the offline engine, TTFT/TPOT of the streamed runs, and last ONE JSON line.
 
   .venv/bin/python loadtest/bench_fleet.py --num-prompts 256 --max-concurrency 64
+  .venv/bin/python loadtest/bench_fleet.py --size micro --max-concurrency 128 --stream-interval-ms 20
   .venv/bin/python loadtest/bench_fleet.py --compare-vllm ~/vllm-cpu/.venv/bin/python
 """
 
@@ -14,11 +15,14 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the `flotilla` command sets for the worker
 
 if __package__ in (None, ""):  # run as a file: make `loadtest.*` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -26,6 +30,7 @@ if __package__ in (None, ""):  # run as a file: make `loadtest.*` importable
 import httpx  # noqa: E402
 
 from loadtest.common.checkpoint_cache import ensure_checkpoint  # noqa: E402
+from loadtest.common.cpu_time import cpu_accounting  # noqa: E402
 from loadtest.serving.client import Endpoint, run_workload  # noqa: E402
 from loadtest.serving.stats import SLO, summarize  # noqa: E402
 from loadtest.serving.workload import WorkloadConfig, build_workload  # noqa: E402
@@ -35,7 +40,9 @@ MODEL = "flotilla-tiny"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", choices=("tiny", "small"), default="tiny")
+    p.add_argument("--size", choices=("micro", "tiny", "small"), default="tiny",
+                   help="micro: a model that costs next to nothing, so the serving path is what is measured")
+    p.add_argument("--rounds", type=int, default=3, help="fleet and offline runs, alternated; medians reported")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--max-concurrency", type=int, default=64, help="streams in flight (saturates one worker)")
     p.add_argument("--input-words", type=int, nargs=2, default=(16, 64), metavar=("MIN", "MAX"))
@@ -52,20 +59,23 @@ def streamed(base_url: str, model: str, api_key: str, specs, concurrency: int) -
     return summarize(run, SLO(1.0, 0.1))
 
 
-def offline(model_dir: Path, specs, concurrency: int) -> tuple[float, int]:
-    """Output tok/s of LLMEngine.generate on the prompts the gateway would build (same chat template)."""
-    from flotilla.engine.config import EngineConfig
-    from flotilla.engine.engine import LLMEngine
-    from flotilla.engine.sampling_params import SamplingParams
+class OfflineEngine:
+    """LLMEngine.generate on the prompts the gateway would build (same chat template), built once."""
 
-    engine = LLMEngine(EngineConfig(model_dir=str(model_dir), max_num_seqs=concurrency, num_kv_blocks=8192))
-    prompts = [engine.tokenizer.encode_chat(list(spec.messages)) for spec in specs]
-    params = [SamplingParams(max_tokens=spec.max_tokens, temperature=1.0, ignore_eos=True) for spec in specs]
-    engine.generate(prompts[:2], params[:2])  # warm-up
-    started = time.perf_counter()
-    results = engine.generate(prompts, params)
-    num_tokens = sum(len(r.token_ids) for r in results)
-    return num_tokens / (time.perf_counter() - started), num_tokens
+    def __init__(self, model_dir: Path, specs, concurrency: int):
+        from flotilla.engine.config import EngineConfig
+        from flotilla.engine.engine import LLMEngine
+        from flotilla.engine.sampling_params import SamplingParams
+
+        self.engine = LLMEngine(EngineConfig(model_dir=str(model_dir), max_num_seqs=concurrency, num_kv_blocks=8192))
+        self.prompts = [self.engine.tokenizer.encode_chat(list(spec.messages)) for spec in specs]
+        self.params = [SamplingParams(max_tokens=spec.max_tokens, temperature=1.0, ignore_eos=True) for spec in specs]
+        self.engine.generate(self.prompts[:2], self.params[:2])  # warm-up
+
+    def output_tok_s(self) -> float:
+        started = time.perf_counter()
+        results = self.engine.generate(self.prompts, self.params)
+        return sum(len(r.token_ids) for r in results) / (time.perf_counter() - started)
 
 
 def vllm_server(python: str, model_dir: Path, port: int, log: Path) -> subprocess.Popen:
@@ -100,18 +110,37 @@ def main(argv: list[str] | None = None) -> int:
     line: dict = {"size": args.size, "num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency,
                   "stream_interval_ms": args.stream_interval_ms,
                   "loadavg_1m_start": os.getloadavg()[0]}
+    offline = OfflineEngine(model_dir, specs, args.max_concurrency)
     with tempfile.TemporaryDirectory(prefix="bench-fleet-") as state:
         config = FleetConfig(model_dir=model_dir, state_dir=Path(state), model_name=MODEL,
                              worker_args=["--num-kv-blocks", "8192", "--max-num-seqs", str(args.max_concurrency),
-                                          "--stream-interval-ms", str(args.stream_interval_ms)])
+                                          "--stream-interval-ms", str(args.stream_interval_ms)],
+                             router_args=["--max-requests-per-worker", str(args.max_concurrency)])  # one batch
+        fleet_runs, offline_runs = [], []
         with LocalFleet(config) as fleet:
             streamed(fleet.gateway_url + "/v1", MODEL, "none", specs[:4], 4)  # warm-up
-            fleet_summary = streamed(fleet.gateway_url + "/v1", MODEL, "none", specs, args.max_concurrency)
-        report("fleet", fleet_summary, line)
-        line["offline_tok_s"], _ = offline(model_dir, specs, args.max_concurrency)
-        print(f"offline engine: {line['offline_tok_s']:.1f} output tok/s")
+            pids = {service.name: service.pid for service in fleet.services()}
+            # Rounds alternate fleet and offline so that a slow spell of a shared machine hits both alike.
+            for round_index in range(args.rounds):
+                with cpu_accounting(pids, {}) as cpu_s:
+                    summary = streamed(fleet.gateway_url + "/v1", MODEL, "none", specs, args.max_concurrency)
+                fleet_runs.append((summary, cpu_s))
+                offline_runs.append(offline.output_tok_s())
+                print(f"round {round_index + 1}: fleet {summary['output_tok_s']:.1f} output tok/s, "
+                      f"offline engine {offline_runs[-1]:.1f}")
+        fleet_summary, cpu_s = sorted(fleet_runs, key=lambda run: run[0]["output_tok_s"])[len(fleet_runs) // 2]
+        report("fleet", fleet_summary, line)  # the median round
+        line["fleet_tok_s_rounds"] = [round(run[0]["output_tok_s"], 1) for run in fleet_runs]
+        line["offline_tok_s_rounds"] = [round(tok_s, 1) for tok_s in offline_runs]
+        line["offline_tok_s"] = round(statistics.median(offline_runs), 1)
+        num_tokens = fleet_summary["output_tok_s"] * cpu_s["wall"]
+        line["fleet_cpu_us_per_token"] = {name: round(seconds / num_tokens * 1e6) for name, seconds in cpu_s.items()
+                                          if name != "wall"}
+        print("fleet CPU µs per output token by process (median round): "
+              + ", ".join(f"{k} {v}" for k, v in line["fleet_cpu_us_per_token"].items()))
+        print(f"offline engine: {line['offline_tok_s']:.1f} output tok/s (median of {args.rounds})")
         line["fleet_loss_vs_offline"] = round(1 - line["fleet_tok_s"] / line["offline_tok_s"], 3)
-        print(f"fleet loses {line['fleet_loss_vs_offline']:.1%} output tok/s against the offline engine")
+        print(f"fleet loses {line['fleet_loss_vs_offline']:.1%} output tok/s against the offline engine (medians)")
         if args.compare_vllm:
             port = free_port()
             server = vllm_server(args.compare_vllm, model_dir, port, Path(state) / "vllm.log")

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from flotilla.api.common.v1 import common_pb2 as common
 from flotilla.api.router.v1 import router_pb2, router_pb2_grpc
+from flotilla.rpc.session_server import serve_session
 
 NUM_NATURAL_TOKENS = 6
 CACHED_TOKENS = 3
@@ -56,6 +57,14 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
 
     async def ListModels(self, request, context):
         return router_pb2.ListModelsResponse(models=self.models)
+
+    async def GenerateSession(self, actions, context):
+        """What the gateway calls: the canned Generate streams, multiplexed like the real router's."""
+        async def handler(request: common.GenerateRequest, sink) -> None:
+            async for response in self.Generate(request, sink):
+                await sink.write(response)
+
+        await serve_session(actions, context, handler)
 
     async def Generate(self, request: common.GenerateRequest, context):
         self._record(self.requests, request)

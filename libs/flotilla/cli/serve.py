@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
+
+from flotilla.rpc.serving import run_service
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -105,7 +106,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from flotilla.observability.setup import setup_observability
 
     setup_observability("flotilla-worker")
-    asyncio.run(serve(config))
+    run_service(serve(config))
     return 0
 
 
@@ -131,7 +132,7 @@ def run_router(args: argparse.Namespace) -> int:
     from flotilla.observability.setup import setup_observability
 
     setup_observability("flotilla-router")
-    asyncio.run(serve(config))
+    run_service(serve(config))
     return 0
 
 

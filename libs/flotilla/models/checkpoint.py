@@ -65,6 +65,9 @@ class ModelShape:
 
 
 SIZES = {
+    # ~0.1M parameters: a forward pass costs next to nothing, so what is measured is everything around the
+    # model (scheduler, streaming path). For benchmarks of the serving path, not for text.
+    "micro": ModelShape(64, 1, 2, 1, 128, 1024, 2048),
     # ~5.0M parameters (tied): a few MB, loads and runs in milliseconds on a CPU.
     "tiny": ModelShape(256, 4, 8, 4, 704, 8192, 2048),
     # ~95M parameters tied (~108M untied): big enough to measure batching and paging on a GPU.

@@ -1,12 +1,28 @@
-"""Process plumbing shared by the services: stop on SIGTERM/SIGINT, announce the bound port."""
+"""Process plumbing shared by the services: the event loop, stop on SIGTERM/SIGINT, announce the bound port."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
+from collections.abc import Coroutine
+from typing import Any
 
 from flotilla.rpc.options import address, write_port_file
+
+
+def run_service(main: Coroutine[Any, Any, Any]) -> Any:
+    """asyncio.run(main) on uvloop (a faster loop, in C; grpc.aio and uvicorn both run on it) unless
+    FLOTILLA_EVENT_LOOP=asyncio asks for the standard library's loop."""
+    choice = os.environ.get("FLOTILLA_EVENT_LOOP", "uvloop")
+    if choice == "uvloop":
+        import uvloop
+
+        return uvloop.run(main)
+    if choice != "asyncio":
+        raise SystemExit(f"FLOTILLA_EVENT_LOOP must be uvloop or asyncio, not {choice!r}")
+    return asyncio.run(main)
 
 
 def stop_on_signals(stop: asyncio.Event) -> None:

@@ -1,4 +1,4 @@
-"""The gateway's only way out: the router's Generate stream and its model list, over grpc.aio."""
+"""The gateway's only way out: the router's Generate streams (on one session) and its model list, over grpc.aio."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import grpc
 
 from flotilla.api.common.v1 import common_pb2 as common
 from flotilla.api.router.v1 import router_pb2, router_pb2_grpc
+from flotilla.rpc.session_client import SessionClient
 
 
 class RouterBackend(Protocol):
@@ -29,12 +30,15 @@ class RouterClient:
         self._list_timeout_s = list_timeout_s
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
+        # Every request's stream rides one GenerateSession call: a step's tokens for all of them arrive
+        # in one message instead of one message per request.
+        self._session = SessionClient(self._stub.GenerateSession)
 
     async def generate(
         self, request: common.GenerateRequest, metadata: Sequence[tuple[str, str]] = ()
     ) -> AsyncIterator[common.GenerateResponse]:
         """`metadata`: gRPC metadata for the call (trace context, tier)."""
-        call = self._stub.Generate(request, metadata=tuple(metadata) or None)
+        call = self._session.generate(request, metadata)
         try:
             async for response in call:
                 yield response
@@ -48,4 +52,5 @@ class RouterClient:
         return list(response.models)
 
     async def close(self) -> None:
+        self._session.close()
         await self._channel.close()

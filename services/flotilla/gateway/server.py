@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import socket
 
@@ -55,7 +54,7 @@ async def serve(settings: GatewaySettings, sockets: list[socket.socket] | None =
 
 def run(settings: GatewaySettings) -> None:
     """Bind first, so that port 0 works and the port is announced only once it accepts connections."""
-    from flotilla.rpc.serving import announce
+    from flotilla.rpc.serving import announce, run_service
 
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -63,4 +62,4 @@ def run(settings: GatewaySettings) -> None:
     sock.bind((settings.host, settings.port))
     sock.listen(2048)
     announce("gateway", settings.host, sock.getsockname()[1], settings.port_file)
-    asyncio.run(serve(settings, sockets=[sock]))
+    run_service(serve(settings, sockets=[sock]))

@@ -103,7 +103,7 @@ class DisaggPlanner:
 def open_generate(plan: Plan, forwarded: pb.GenerateRequest, **call_kwargs):
     """The worker call for a plan: WorkerService.Generate, or the decode worker's GenerateDisaggregated."""
     if plan.prefill is None:
-        return plan.decode.stub.Generate(forwarded, **call_kwargs)
+        return plan.decode.session.generate(forwarded, **call_kwargs)  # one stream of the worker's session
     stub = kv_transfer_pb2_grpc.KVTransferServiceStub(plan.decode.channel)
     request = kpb.DisaggregatedGenerateRequest(request=forwarded, prefill_worker_address=plan.prefill.info.address)
     return stub.GenerateDisaggregated(request, **call_kwargs)

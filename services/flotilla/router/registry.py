@@ -19,6 +19,7 @@ from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.worker.v1 import worker_pb2_grpc
 from flotilla.rpc.options import aio_channel
+from flotilla.rpc.session_client import SessionClient
 from flotilla.router.models import ModelVersionRef
 from flotilla.router.placement import WorkerLoad
 
@@ -44,10 +45,18 @@ class WorkerEntry:
     num_released_since_report: int = 0  # relays ended since the last report (which may still count them)
     was_healthy: bool = True  # for logging health transitions once
     state: int = rpb.WORKER_STATE_ACTIVE  # warm and draining workers get no new work (autoscaler)
+    _session: SessionClient | None = None  # Generate streams multiplexed on one call (rpc/session_client.py)
 
     @property
     def worker_id(self) -> str:
         return self.info.worker_id
+
+    @property
+    def session(self) -> SessionClient:
+        """The worker's generate session, opened on first use (and again after it broke)."""
+        if self._session is None:
+            self._session = SessionClient(self.stub.GenerateSession)
+        return self._session
 
     @property
     def model_name(self) -> str:
@@ -93,6 +102,7 @@ class WorkerRegistry:
         entry.info.CopyFrom(info)
         if old is not None and old.channel is channel:
             entry.num_inflight = old.num_inflight
+            entry._session = old._session  # same channel, same session: its streams go on
         if old is not None:
             entry.num_assigned = old.num_assigned
         pending = self._pending_states.pop(info.worker_id, None)

@@ -11,6 +11,7 @@ from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.router.v1 import router_pb2_grpc
 from flotilla.rpc.convert import error_response
+from flotilla.rpc.session_server import serve_session
 from flotilla.router.admission import Admission, Placement, RouterError, Ticket
 from flotilla.router.disagg_planner import DisaggPlanner, Plan, open_generate
 from flotilla.router.failover import DEFAULT_MAX_ATTEMPTS, StreamProgress, WorkerLost
@@ -46,6 +47,10 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         self._disagg = DisaggPlanner(registry, getattr(admission, "_limits", None))
 
     # ---- generation --------------------------------------------------------------------------------
+    async def GenerateSession(self, actions, context: grpc.aio.ServicerContext) -> None:
+        """Many Generate streams on one call; the gateway's way in (rpc/session_server.py)."""
+        await serve_session(actions, context, self.Generate)
+
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         if not request.request_id:
             await context.write(error_response(pb.ERROR_CODE_INVALID_REQUEST, "must not be empty", "request_id"))

@@ -23,6 +23,7 @@ from flotilla.rpc.convert import (
     priority_from_proto,
     sampling_params_from_proto,
 )
+from flotilla.rpc.session_server import serve_session
 from flotilla.worker.telemetry import RequestTelemetry, WorkerMetrics
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,10 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
         self.worker_id = worker_id
         self.model = model
         self.metrics = metrics or WorkerMetrics()
+
+    async def GenerateSession(self, actions, context: grpc.aio.ServicerContext) -> None:
+        """Many Generate streams on one call; the router's way in (rpc/session_server.py)."""
+        await serve_session(actions, context, self.Generate)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
                        telemetry: RequestTelemetry | None = None) -> None:

@@ -1,0 +1,178 @@
+"""Caller side of a generate session (common.proto): `generate()` returns a SessionStream that behaves like
+the call object of a unary-request Generate (async iteration, `cancel()`, grpc.aio.AioRpcError on
+failure), while every stream shares one bidirectional call per peer.
+
+One reader task hands each arriving SessionEvents message out to the streams it names; one writer task
+sends opens and cancels (batched like the events). When the call fails or ends, every open stream fails
+with the call's status (UNAVAILABLE when the peer vanished: what a per-request call would have said), and
+the next generate() opens a new session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+
+import grpc
+
+from flotilla.api.common.v1 import common_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+OpenCall = Callable[[], grpc.aio.StreamStreamCall]  # e.g. stub.GenerateSession
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class SessionStream:
+    """One Generate stream on a session: `async for response in stream`, `stream.cancel()`."""
+
+    def __init__(self, session: _Session, stream_id: int, deadline: float | None):
+        self._session = session
+        self.stream_id = stream_id
+        self._deadline = deadline  # loop time; the caller's timeout, enforced here
+        self._events: asyncio.Queue[pb.SessionEvent | grpc.aio.AioRpcError] = asyncio.Queue()
+        self._done = False
+
+    def deliver(self, event: pb.SessionEvent | grpc.aio.AioRpcError) -> None:
+        self._events.put_nowait(event)
+
+    def __aiter__(self) -> SessionStream:
+        return self
+
+    async def __anext__(self) -> pb.GenerateResponse:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            async with asyncio.timeout_at(self._deadline):
+                event = await self._events.get()
+        except TimeoutError:
+            self.cancel()
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        if isinstance(event, grpc.aio.AioRpcError):
+            self._finish()
+            raise event
+        if not event.end:
+            return event.response
+        self._finish()
+        if event.status_code:
+            raise rpc_error(_status(event.status_code), event.status_details)
+        raise StopAsyncIteration
+
+    def cancel(self) -> bool:
+        """Tell the callee to abort the stream; False when it had already ended."""
+        if self._done:
+            return False
+        self._finish()
+        self._session.cancel(self.stream_id)
+        return True
+
+    def done(self) -> bool:
+        return self._done
+
+    def _finish(self) -> None:
+        self._done = True
+        self._session.forget(self.stream_id)
+
+
+class SessionClient:
+    """Generate streams to one peer over a session that is (re)opened on demand."""
+
+    def __init__(self, open_call: OpenCall):
+        self._open_call = open_call
+        self._session: _Session | None = None
+        self._stream_ids = itertools.count(1)
+
+    def generate(self, request: pb.GenerateRequest, metadata: Sequence[tuple[str, str]] | None = None,
+                 timeout: float | None = None) -> SessionStream:
+        if self._session is None or self._session.ended:
+            self._session = _Session(self._open_call())
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        return self._session.open(next(self._stream_ids), request, metadata or (), deadline)
+
+    def close(self) -> None:
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+
+
+class _Session:
+    def __init__(self, call: grpc.aio.StreamStreamCall):
+        self._call = call
+        self._streams: dict[int, SessionStream] = {}
+        self._pending = pb.SessionActions()
+        self._has_pending = asyncio.Event()
+        self.ended = False
+        self._reader = asyncio.create_task(self._read_loop())
+        self._writer = asyncio.create_task(self._write_loop())
+
+    def open(self, stream_id: int, request: pb.GenerateRequest, metadata: Sequence[tuple[str, str]],
+             deadline: float | None) -> SessionStream:
+        stream = SessionStream(self, stream_id, deadline)
+        self._streams[stream_id] = stream
+        opened = self._pending.open.add(stream_id=stream_id, request=request)
+        for key, value in metadata:
+            opened.metadata.add(key=key, value=value)
+        self._has_pending.set()
+        return stream
+
+    def cancel(self, stream_id: int) -> None:
+        if not self.ended:
+            self._pending.cancel.append(stream_id)
+            self._has_pending.set()
+
+    def forget(self, stream_id: int) -> None:
+        self._streams.pop(stream_id, None)
+
+    def close(self) -> None:
+        self._end(rpc_error(grpc.StatusCode.CANCELLED, "session closed"))
+        self._call.cancel()
+
+    async def _write_loop(self) -> None:
+        try:
+            while True:
+                await self._has_pending.wait()
+                self._has_pending.clear()
+                actions, self._pending = self._pending, pb.SessionActions()
+                await self._call.write(actions)
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+            pass  # the reader sees the call's end and fails the streams
+
+    async def _read_loop(self) -> None:
+        error = rpc_error(grpc.StatusCode.UNAVAILABLE, "session ended by the peer")
+        try:
+            while True:
+                message = await self._call.read()
+                if message is grpc.aio.EOF:
+                    break
+                for event in message.events:
+                    stream = self._streams.get(event.stream_id)
+                    if stream is not None:
+                        stream.deliver(event)
+        except grpc.aio.AioRpcError as exc:
+            error = exc
+        except asyncio.CancelledError:
+            error = rpc_error(grpc.StatusCode.CANCELLED, "session closed")
+        finally:
+            self._end(error)
+
+    def _end(self, error: grpc.aio.AioRpcError) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        self._writer.cancel()
+        for stream in list(self._streams.values()):
+            stream.deliver(error)
+        self._streams.clear()
+
+
+def _status(value: int) -> grpc.StatusCode:
+    for code in grpc.StatusCode:
+        if code.value[0] == value:
+            return code
+    return grpc.StatusCode.UNKNOWN

@@ -1,0 +1,121 @@
+"""Callee side of a generate session (common.proto, SessionActions/SessionEvents): many Generate streams
+on one bidirectional call.
+
+Each opened stream runs the service's unchanged Generate handler as its own task, with a StreamSink in
+place of the grpc ServicerContext (`write`, `invocation_metadata`). Its writes go to one outbox that a
+single writer drains: whatever accumulated while the previous message was on the wire leaves together, so
+at saturation a decode step's tokens for every request travel in one message. A cancel aborts the stream's
+task (as a cancelled RPC would); the session ending cancels every task still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+
+from flotilla.api.common.v1 import common_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[pb.GenerateRequest, "StreamSink"], Awaitable[None]]
+
+
+class StreamSink:
+    """What a Generate handler needs of its ServicerContext, for one stream of a session."""
+
+    __slots__ = ("_outbox", "_stream_id", "_metadata")
+
+    def __init__(self, outbox: _Outbox, stream_id: int, metadata: tuple[tuple[str, str], ...]):
+        self._outbox = outbox
+        self._stream_id = stream_id
+        self._metadata = metadata
+
+    async def write(self, response: pb.GenerateResponse) -> None:
+        self._outbox.put(pb.SessionEvent(stream_id=self._stream_id, response=response))
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+
+class _Outbox:
+    """Events waiting for the session's writer; put() never blocks (the writer batches what piles up)."""
+
+    def __init__(self) -> None:
+        self._events: list[pb.SessionEvent] = []
+        self._ready = asyncio.Event()
+        self.closed = False
+
+    def put(self, event: pb.SessionEvent) -> None:
+        self._events.append(event)
+        self._ready.set()
+
+    async def take(self) -> list[pb.SessionEvent]:
+        await self._ready.wait()
+        if not self.closed:
+            self._ready.clear()
+        events, self._events = self._events, []
+        return events
+
+    def close(self) -> None:
+        """Nothing more will be put: the writer sends what is left and returns."""
+        self.closed = True
+        self._ready.set()
+
+
+async def serve_session(actions: AsyncIterator[pb.SessionActions], context: grpc.aio.ServicerContext,
+                        handler: Handler) -> None:
+    """The body of a GenerateSession handler: returns once the caller half-closed and every stream ended."""
+    outbox = _Outbox()
+    tasks: dict[int, asyncio.Task] = {}
+    writer = asyncio.create_task(_write_loop(outbox, context))
+    try:
+        async for message in actions:
+            for stream_id in message.cancel:
+                task = tasks.pop(stream_id, None)
+                if task is not None:
+                    task.cancel()
+            for opened in message.open:
+                if opened.stream_id in tasks:
+                    outbox.put(_end(opened.stream_id, grpc.StatusCode.ALREADY_EXISTS, "stream id in use"))
+                    continue
+                sink = StreamSink(outbox, opened.stream_id, tuple((m.key, m.value) for m in opened.metadata))
+                task = asyncio.create_task(_run_stream(handler, opened, sink, outbox))
+                tasks[opened.stream_id] = task
+                task.add_done_callback(lambda t, sid=opened.stream_id: tasks.pop(sid, None) if tasks.get(sid) is t
+                                       else None)
+        if tasks:  # the caller half-closed: its open streams still finish
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+        outbox.close()
+        await writer
+    finally:
+        for task in tasks.values():  # the caller went away (or we are shutting down): abort every stream
+            task.cancel()
+        writer.cancel()
+
+
+async def _run_stream(handler: Handler, opened: pb.SessionOpen, sink: StreamSink, outbox: _Outbox) -> None:
+    code, details = grpc.StatusCode.OK, ""
+    try:
+        await handler(opened.request, sink)
+    except asyncio.CancelledError:
+        return  # cancelled by the caller or the session's end: nobody waits for an end marker
+    except Exception as exc:  # a handler bug must not take the session's other streams with it
+        logger.exception("stream %d (request %s) failed", opened.stream_id, opened.request.request_id)
+        code, details = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+    outbox.put(_end(opened.stream_id, code, details))
+
+
+def _end(stream_id: int, code: grpc.StatusCode, details: str) -> pb.SessionEvent:
+    return pb.SessionEvent(stream_id=stream_id, end=True, status_code=code.value[0], status_details=details)
+
+
+async def _write_loop(outbox: _Outbox, context: grpc.aio.ServicerContext) -> None:
+    while True:
+        events = await outbox.take()
+        if events:
+            await context.write(pb.SessionEvents(events=events))
+        elif outbox.closed:
+            return

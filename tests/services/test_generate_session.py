@@ -1,0 +1,159 @@
+"""Generate sessions (rpc/session_server.py + rpc/session_client.py) over real grpc.aio in the test's loop:
+many streams on one call behave like separate Generate calls (order, end, errors, cancel, deadline, the
+peer going away), and what a handler writes while the wire is busy leaves in one message."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from flotilla.api.common.v1 import common_pb2 as pb
+from flotilla.api.worker.v1 import worker_pb2_grpc
+from flotilla.router.failover import LOST_STATUSES
+from flotilla.rpc.session_client import SessionClient
+from flotilla.rpc.session_server import serve_session
+
+
+class ScriptedWorker(worker_pb2_grpc.WorkerServiceServicer):
+    """request.model picks the behaviour; max_tokens is the number of chunks."""
+
+    def __init__(self) -> None:
+        self.cancelled: list[str] = []
+        self.metadata: dict[str, dict[str, str]] = {}
+
+    async def GenerateSession(self, actions, context):
+        await serve_session(actions, context, self.generate)
+
+    async def generate(self, request: pb.GenerateRequest, sink) -> None:
+        self.metadata[request.request_id] = dict(sink.invocation_metadata())
+        if request.model == "boom":
+            raise RuntimeError("handler bug")
+        try:
+            for i in range(request.sampling.max_tokens):
+                await sink.write(pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=[i], text=request.request_id)))
+                if request.model == "slow":
+                    await asyncio.sleep(0.01)
+            if request.model == "hang":
+                await asyncio.Event().wait()
+            await sink.write(pb.GenerateResponse(finished=pb.Finished(reason=pb.FINISH_REASON_LENGTH)))
+        except asyncio.CancelledError:
+            self.cancelled.append(request.request_id)
+            raise
+
+
+@pytest.fixture
+async def served():
+    worker = ScriptedWorker()
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(worker, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = worker_pb2_grpc.WorkerServiceStub(channel)
+    client = SessionClient(stub.GenerateSession)
+    yield worker, server, stub, client
+    client.close()
+    await channel.close()
+    await server.stop(0)
+
+
+def _request(request_id: str, model: str = "ok", num_chunks: int = 3) -> pb.GenerateRequest:
+    return pb.GenerateRequest(request_id=request_id, model=model, sampling=pb.SamplingParams(max_tokens=num_chunks))
+
+
+async def _drain(stream) -> list[pb.GenerateResponse]:
+    return [response async for response in stream]
+
+
+async def test_concurrent_streams_each_get_their_own_events_in_order(served):
+    worker, _, _, client = served
+    streams = {f"r{i}": client.generate(_request(f"r{i}", "slow", num_chunks=5 + i), [("tier", f"t{i}")])
+               for i in range(20)}
+    results = await asyncio.gather(*(_drain(stream) for stream in streams.values()))
+    for (request_id, _), responses in zip(streams.items(), results):
+        i = int(request_id[1:])
+        assert [r.chunk.token_ids[0] for r in responses[:-1]] == list(range(5 + i))
+        assert {r.chunk.text for r in responses[:-1]} == {request_id}
+        assert responses[-1].finished.reason == pb.FINISH_REASON_LENGTH
+        assert worker.metadata[request_id] == {"tier": f"t{i}"}
+
+
+async def test_what_piles_up_while_the_wire_is_busy_leaves_in_one_message(served):
+    # The handler writes 20 chunks and its finish without suspending: all of it is in the outbox before
+    # the writer runs, so one SessionEvents message carries the chunks, the finish and the end marker.
+    _, _, stub, _ = served
+    call = stub.GenerateSession()
+    await call.write(pb.SessionActions(open=[pb.SessionOpen(stream_id=7, request=_request("r", num_chunks=20))]))
+    message = await call.read()
+    assert [e.stream_id for e in message.events] == [7] * 22
+    assert message.events[-1].end and message.events[-1].status_code == 0
+    await call.done_writing()
+    assert await call.read() == grpc.aio.EOF
+
+
+async def test_cancel_aborts_only_that_stream(served):
+    worker, _, _, client = served
+    hanging = client.generate(_request("hang", "hang", num_chunks=1))
+    other = client.generate(_request("other", "slow", num_chunks=30))
+    assert (await anext(hanging)).chunk.token_ids == [0]
+    assert hanging.cancel() is True
+    assert hanging.cancel() is False  # already ended
+    with pytest.raises(StopAsyncIteration):
+        await anext(hanging)
+    await _until(lambda: "hang" in worker.cancelled)
+    assert (await _drain(other))[-1].finished.reason == pb.FINISH_REASON_LENGTH
+    assert "other" not in worker.cancelled
+
+
+async def test_a_failing_handler_fails_its_stream_with_internal_and_spares_the_others(served):
+    _, _, _, client = served
+    other = client.generate(_request("other", "slow", num_chunks=10))
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        await _drain(client.generate(_request("bad", "boom")))
+    assert failure.value.code() == grpc.StatusCode.INTERNAL
+    assert "handler bug" in failure.value.details()
+    assert (await _drain(other))[-1].HasField("finished")
+
+
+async def test_deadline_fails_the_stream_and_cancels_the_handler(served):
+    worker, _, _, client = served
+    stream = client.generate(_request("late", "hang", num_chunks=1), timeout=0.3)
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        await _drain(stream)
+    assert failure.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await _until(lambda: "late" in worker.cancelled)
+
+
+async def test_peer_going_away_fails_every_open_stream_as_lost_then_a_new_session_opens(served):
+    worker, server, _, client = served
+    streams = [client.generate(_request(f"h{i}", "hang", num_chunks=1)) for i in range(3)]
+    for stream in streams:
+        await anext(stream)
+    await server.stop(0)
+    for stream in streams:
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            await _drain(stream)
+        assert failure.value.code() in LOST_STATUSES  # the router's failover takes these over
+    await _until(lambda: len(worker.cancelled) == 3)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:  # nothing listens now: a fresh session, refused
+        await _drain(client.generate(_request("after")))
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_closing_the_client_cancels_the_callees_streams(served):
+    worker, _, _, client = served
+    stream = client.generate(_request("h", "hang", num_chunks=1))
+    await anext(stream)
+    client.close()
+    await _until(lambda: "h" in worker.cancelled)
+    with pytest.raises(grpc.aio.AioRpcError) as closed:
+        await _drain(stream)
+    assert closed.value.code() == grpc.StatusCode.CANCELLED
+
+
+async def _until(predicate, timeout_s: float = 10.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.01)
