@@ -134,3 +134,25 @@ def test_ticket_from_a_request():
                                  priority=BATCH, tenant_id="t", tenant_weight=0, max_queue_wait_s=2.5)
     assert Ticket.of(request) == Ticket(BATCH, "t", 10, 1, 2.5)
     assert Ticket.of(pb.GenerateRequest()).priority == INTERACTIVE
+
+
+async def test_paid_sheds_in_proportion_to_each_tenants_backlog():
+    # One class, one wait budget: a tenant's estimated wait counts its own backlog and only a round of the
+    # others', so the tenant that floods is refused while a light tenant of the same tier still queues.
+    registry, admission, clock = make()
+    report(registry, clock, running=1, total_tokens=0, admission=admission)
+    report(registry, clock, running=0, total_tokens=100, admission=admission)  # 100 tokens/s
+    await admission.acquire("tiny", 10)  # the only slot
+    heavy = [asyncio.create_task(admission.acquire("tiny", 50, ticket=Ticket(tenant="A", num_tokens=100)))
+             for _ in range(5)]
+    await settle()
+    with pytest.raises(RouterError) as refused:
+        await admission.acquire("tiny", 50, ticket=Ticket(tenant="A", num_tokens=100, max_queue_wait_s=2.0))
+    assert refused.value.code == pb.ERROR_CODE_OVERLOADED and refused.value.retry_after_s >= 1
+    light = asyncio.create_task(admission.acquire("tiny", 50, ticket=Ticket(tenant="B", num_tokens=100,
+                                                                             max_queue_wait_s=2.0)))
+    await settle()
+    assert not light.done() and admission.queue_depth("tiny") == 6  # queued, not refused
+    for task in [*heavy, light]:
+        task.cancel()
+    await asyncio.gather(*heavy, light, return_exceptions=True)
