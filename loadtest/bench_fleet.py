@@ -31,6 +31,8 @@ import httpx  # noqa: E402
 
 from loadtest.common.checkpoint_cache import ensure_checkpoint  # noqa: E402
 from loadtest.common.cpu_time import cpu_accounting  # noqa: E402
+from loadtest.common.engine_workload import Workload  # noqa: E402
+from loadtest.common.vllm_baseline import run_vllm  # noqa: E402
 from loadtest.serving.client import Endpoint, run_workload  # noqa: E402
 from loadtest.serving.stats import SLO, summarize  # noqa: E402
 from loadtest.serving.workload import WorkloadConfig, build_workload  # noqa: E402
@@ -69,7 +71,9 @@ class OfflineEngine:
 
         self.engine = LLMEngine(EngineConfig(model_dir=str(model_dir), max_num_seqs=concurrency, num_kv_blocks=8192))
         self.prompts = [self.engine.tokenizer.encode_chat(list(spec.messages)) for spec in specs]
-        self.params = [SamplingParams(max_tokens=spec.max_tokens, temperature=1.0, ignore_eos=True) for spec in specs]
+        self.max_tokens = [spec.max_tokens for spec in specs]
+        # Greedy, as the streaming client asks (sampling at temperature > 0 costs more per token).
+        self.params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in self.max_tokens]
         self.engine.generate(self.prompts[:2], self.params[:2])  # warm-up
 
     def output_tok_s(self) -> float:
@@ -153,6 +157,16 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 server.terminate()
                 server.wait(30)
+            # vLLM's own loss, server against offline, on the same prompts and batch bound
+            outcome = run_vllm(args.compare_vllm, str(model_dir), Workload(offline.prompts, offline.max_tokens),
+                               2, 4, 900, max_num_seqs=args.max_concurrency)
+            if outcome.throughput is None:
+                print(f"vLLM offline skipped: {outcome.skipped_reason}")
+            else:
+                line["vllm_offline_tok_s"] = round(outcome.throughput.tok_s, 1)
+                line["vllm_loss_vs_offline"] = round(1 - line["vllm_tok_s"] / line["vllm_offline_tok_s"], 3)
+                print(f"vLLM offline: {line['vllm_offline_tok_s']:.1f} output tok/s; vLLM's server loses "
+                      f"{line['vllm_loss_vs_offline']:.1%} against it")
     line["loadavg_1m_end"] = os.getloadavg()[0]
     print(json.dumps(line))
     return 0

@@ -23,7 +23,8 @@ from vllm import LLM, SamplingParams
 
 def main():
     spec = json.load(open(sys.argv[1]))
-    llm = LLM(model=spec["model_dir"], dtype="float32", seed=0, max_model_len=spec["max_model_len"])
+    extra = {"max_num_seqs": spec["max_num_seqs"]} if spec.get("max_num_seqs") else {}
+    llm = LLM(model=spec["model_dir"], dtype="float32", seed=0, max_model_len=spec["max_model_len"], **extra)
     params = [SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0) for n in spec["max_tokens"]]
     prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
     llm.generate(prompts[:1], [SamplingParams(max_tokens=2, temperature=0)], use_tqdm=False)  # warm-up
@@ -55,13 +56,14 @@ def vllm_env(num_threads: int, kv_cache_gib: int) -> dict[str, str]:
 
 
 def run_vllm(
-    python: str, model_dir: str, workload: Workload, num_threads: int, kv_cache_gib: int, timeout_s: float
+    python: str, model_dir: str, workload: Workload, num_threads: int, kv_cache_gib: int, timeout_s: float,
+    max_num_seqs: int | None = None,
 ) -> VllmOutcome:
     if not (Path(python).is_file() and os.access(python, os.X_OK)):
         return VllmOutcome(None, f"interpreter {python} not found or not executable")
     max_model_len = max(len(p) + n for p, n in zip(workload.prompts, workload.max_tokens))
     spec = {"model_dir": model_dir, "prompts": workload.prompts, "max_tokens": workload.max_tokens,
-            "max_model_len": max_model_len}
+            "max_model_len": max_model_len, "max_num_seqs": max_num_seqs}
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         script, spec_path = Path(tmp) / "run_vllm.py", Path(tmp) / "spec.json"
         script.write_text(VLLM_SCRIPT)

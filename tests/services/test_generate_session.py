@@ -157,3 +157,16 @@ async def _until(predicate, timeout_s: float = 10.0) -> None:
     async with asyncio.timeout(timeout_s):
         while not predicate():
             await asyncio.sleep(0.01)
+
+
+def test_long_prompts_travel_in_several_messages():
+    from flotilla.rpc.session_client import MAX_ACTIONS_BYTES, _split
+
+    prompt = list(range(1 << 17, (1 << 17) + MAX_ACTIONS_BYTES // 8))  # 3-byte varints: ~3/8 of the bound
+    actions = pb.SessionActions(cancel=[9], open=[pb.SessionOpen(stream_id=i, request=pb.GenerateRequest(
+        request_id=f"r{i}", prompt_token_ids=prompt)) for i in range(5)])
+    messages = _split(actions)
+    assert [len(m.open) for m in messages] == [2, 2, 1]
+    assert list(messages[0].cancel) == [9]
+    assert [o.stream_id for m in messages for o in m.open] == list(range(5))
+    assert all(m.ByteSize() <= MAX_ACTIONS_BYTES for m in messages)

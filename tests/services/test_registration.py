@@ -50,8 +50,9 @@ async def test_worker_registers_again_when_the_router_forgets_it(tmp_path):
     link.start()
     try:
         await until_async(lambda: _contains(registered_ids(), "w1"), what="registration")
-        status = (await stub.ListWorkers(rpb.ListWorkersRequest())).workers[0]
-        assert status.healthy and status.load.num_total_blocks == 8  # a load report came with it
+        # The link reports its load right after registering (a second call, so ListWorkers may land between).
+        await until_async(lambda: _reported(stub, blocks=8), what="the first load report")
+        assert (await stub.ListWorkers(rpb.ListWorkersRequest())).workers[0].healthy
         await stub.DeregisterWorker(rpb.DeregisterWorkerRequest(worker_id="w1"))
         # The next heartbeat is answered known=false; the link registers again.
         await until_async(lambda: _registered_again(registered_ids(), lambda: num_registrations),
@@ -62,6 +63,11 @@ async def test_worker_registers_again_when_the_router_forgets_it(tmp_path):
         stop.set()
         await router
         await channel.close()
+
+
+async def _reported(stub, blocks: int) -> bool:
+    workers = (await stub.ListWorkers(rpb.ListWorkersRequest())).workers
+    return bool(workers) and workers[0].load.num_total_blocks == blocks
 
 
 async def _contains(ids_coro, worker_id: str) -> bool:

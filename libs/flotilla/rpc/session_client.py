@@ -22,6 +22,7 @@ from flotilla.api.common.v1 import common_pb2 as pb
 logger = logging.getLogger(__name__)
 
 OpenCall = Callable[[], grpc.aio.StreamStreamCall]  # e.g. stub.GenerateSession
+MAX_ACTIONS_BYTES = 8 << 20  # well under the channels' message limit (rpc/options.py)
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -139,7 +140,8 @@ class _Session:
                 await self._has_pending.wait()
                 self._has_pending.clear()
                 actions, self._pending = self._pending, pb.SessionActions()
-                await self._call.write(actions)
+                for message in _split(actions):
+                    await self._call.write(message)
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
             pass  # the reader sees the call's end and fails the streams
 
@@ -169,6 +171,20 @@ class _Session:
         for stream in list(self._streams.values()):
             stream.deliver(error)
         self._streams.clear()
+
+
+def _split(actions: pb.SessionActions) -> list[pb.SessionActions]:
+    """Opens batched into messages of at most MAX_ACTIONS_BYTES (long prompts travel in them), cancels first."""
+    messages = [pb.SessionActions(cancel=actions.cancel)]
+    size = 0
+    for opened in actions.open:
+        num_bytes = opened.ByteSize()
+        if size and size + num_bytes > MAX_ACTIONS_BYTES:
+            messages.append(pb.SessionActions())
+            size = 0
+        messages[-1].open.append(opened)
+        size += num_bytes
+    return messages
 
 
 def _status(value: int) -> grpc.StatusCode:

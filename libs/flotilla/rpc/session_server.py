@@ -20,6 +20,7 @@ from flotilla.api.common.v1 import common_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
+MAX_EVENTS_PER_MESSAGE = 4096  # a token chunk event is tens of bytes: far under the message size limit
 Handler = Callable[[pb.GenerateRequest, "StreamSink"], Awaitable[None]]
 
 
@@ -115,7 +116,7 @@ def _end(stream_id: int, code: grpc.StatusCode, details: str) -> pb.SessionEvent
 async def _write_loop(outbox: _Outbox, context: grpc.aio.ServicerContext) -> None:
     while True:
         events = await outbox.take()
-        if events:
-            await context.write(pb.SessionEvents(events=events))
-        elif outbox.closed:
+        if not events and outbox.closed:
             return
+        for start in range(0, len(events), MAX_EVENTS_PER_MESSAGE):  # a slow reader lets many pile up
+            await context.write(pb.SessionEvents(events=events[start:start + MAX_EVENTS_PER_MESSAGE]))

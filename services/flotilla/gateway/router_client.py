@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
-import grpc
-
 from flotilla.api.common.v1 import common_pb2 as common
 from flotilla.api.router.v1 import router_pb2, router_pb2_grpc
+from flotilla.rpc.options import aio_channel
 from flotilla.rpc.session_client import SessionClient
 
 
@@ -28,7 +27,7 @@ class RouterClient:
     def __init__(self, address: str, list_timeout_s: float = 5.0):
         self.address = address
         self._list_timeout_s = list_timeout_s
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = aio_channel(address)  # keepalive finds a dead router; 64 MiB messages (long prompts)
         self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
         # Every request's stream rides one GenerateSession call: a step's tokens for all of them arrive
         # in one message instead of one message per request.
