@@ -102,3 +102,15 @@ def test_aliases_of_a_version():
     assert aliases_of(VERSIONS[1], VERSIONS, ALIASES) == ["default"]
     assert aliases_of(VERSIONS[0], VERSIONS, ALIASES) == ["pinned"]
     assert aliases_of(VERSIONS[2], VERSIONS, ALIASES) == []
+
+
+def test_an_idle_tenant_may_go_over_the_request_cap_by_the_extra_slots_only():
+    limits = PlacementLimits(max_queued_tokens_per_worker=1000, max_requests_per_worker=4, idle_tenant_extra_slots=1)
+    full = load("a", queued=100, requests=4)
+    assert not can_admit(full, 10, limits)
+    assert can_admit(full, 10, limits, idle_tenant=True)
+    assert not can_admit(load("a", queued=100, requests=5), 10, limits, idle_tenant=True)
+    assert choose_worker([full], 10, limits, idle_tenant=True) == "a"
+    assert not can_admit(full, 10, LIMITS, idle_tenant=True)  # off by default
+    with pytest.raises(ValueError):
+        PlacementLimits(idle_tenant_extra_slots=-1)

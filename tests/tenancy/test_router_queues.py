@@ -156,3 +156,33 @@ async def test_paid_sheds_in_proportion_to_each_tenants_backlog():
     for task in [*heavy, light]:
         task.cancel()
     await asyncio.gather(*heavy, light, return_exceptions=True)
+
+
+async def test_a_tenant_with_nothing_in_flight_starts_at_once_in_the_extra_slot():
+    clock = Clock()
+    registry = WorkerRegistry(heartbeat_timeout_s=1e9, clock=clock,
+                              channel_factory=lambda address: grpc.aio.insecure_channel(address))
+    admission = Admission(registry, {}, ("tiny",), PlacementLimits(1_000_000, 1, idle_tenant_extra_slots=1), 64,
+                          30.0, wall_clock=clock)
+    registry.register(rpb.WorkerInfo(worker_id="w", address="127.0.0.1:9",
+                                     model=pb.ModelInfo(name="tiny", version="v1", max_model_len=2048)))
+    report(registry, clock, running=0, total_tokens=0)
+    a_first = await admission.acquire("tiny", 10, ticket=Ticket(tenant="A", num_tokens=100))  # the only slot
+    a_queued = [asyncio.create_task(admission.acquire("tiny", 10, ticket=Ticket(tenant="A", num_tokens=100)))
+                for _ in range(3)]
+    await settle()
+    b_first = await asyncio.wait_for(admission.acquire("tiny", 10, ticket=Ticket(tenant="B", num_tokens=100)), 1)
+    assert b_first.worker.worker_id == "w"  # placed past A's backlog, in the extra slot
+    b_second = asyncio.create_task(admission.acquire("tiny", 10, ticket=Ticket(tenant="B", num_tokens=100)))
+    c_first = asyncio.create_task(admission.acquire("tiny", 10, ticket=Ticket(tenant="C", num_tokens=100)))
+    batch = asyncio.create_task(admission.acquire("tiny", 10, ticket=Ticket(BATCH, "D", 100)))
+    await settle()
+    # B is no longer idle; C is, but the worker's one extra slot is taken; D's class waits behind interactive.
+    assert not any(t.done() for t in (b_second, c_first, batch, *a_queued))
+    assert admission.queue_depth("tiny") == 6
+    registry.release(b_first.worker, "B")
+    registry.release(a_first.worker, "A")
+    assert registry.num_assigned_to_tenant("tiny", "A") == 0 and registry.num_assigned_to_tenant("tiny", "B") == 0
+    for task in [*a_queued, b_second, c_first, batch]:
+        task.cancel()
+    await asyncio.gather(*a_queued, b_second, c_first, batch, return_exceptions=True)

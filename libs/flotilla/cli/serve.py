@@ -52,6 +52,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     router.add_argument("--max-queue-wait-s", type=float, default=30.0)
     router.add_argument("--max-queued-tokens-per-worker", type=int, default=32_768)
     router.add_argument("--max-requests-per-worker", type=int, default=64)
+    router.add_argument("--idle-tenant-extra-slots", type=int, default=1,
+                        help="requests a worker may take over --max-requests-per-worker for tenants with nothing "
+                             "in flight (their first request starts at once; 0: off)")
     router.set_defaults(func=run_router)
 
 
@@ -125,7 +128,8 @@ def run_router(args: argparse.Namespace) -> int:
         heartbeat_timeout_s=args.heartbeat_timeout_s,
         max_queue_depth=args.max_queue_depth,
         max_queue_wait_s=args.max_queue_wait_s,
-        limits=PlacementLimits(args.max_queued_tokens_per_worker, args.max_requests_per_worker),
+        limits=PlacementLimits(args.max_queued_tokens_per_worker, args.max_requests_per_worker,
+                               args.idle_tenant_extra_slots),
         metrics_port=args.metrics_port,
         metrics_port_file=args.metrics_port_file,
     )

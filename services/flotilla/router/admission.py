@@ -92,6 +92,10 @@ class _ModelQueues:
     def has_waiters_ahead(self, priority: int) -> bool:
         return any(len(self.classes[c]) for c in CLASS_ORDER[: CLASS_ORDER.index(priority) + 1])
 
+    def has_waiters_before(self, priority: int) -> bool:
+        """Waiters in classes served before this one (not counting its own)."""
+        return any(len(self.classes[c]) for c in CLASS_ORDER[: CLASS_ORDER.index(priority)])
+
 
 class Admission:
     def __init__(
@@ -149,8 +153,11 @@ class Admission:
         ticket = ticket or Ticket(num_tokens=num_prompt_tokens)
         resolution = self.resolve(requested)
         queues = self._queues.setdefault(resolution.name, _ModelQueues())
-        if not queues.has_waiters_ahead(ticket.priority):
-            placement = self._try_place(requested, num_prompt_tokens)
+        idle = self._is_idle(resolution.name, ticket.tenant)
+        # A tenant with nothing in flight starts at once (within the extra slots) even past its own class's
+        # queue, never past a class served before its own.
+        if not (queues.has_waiters_before(ticket.priority) if idle else queues.has_waiters_ahead(ticket.priority)):
+            placement = self._try_place(requested, num_prompt_tokens, ticket.tenant)
             if placement is not None:
                 return placement
         self._check_wait_budget(resolution.name, ticket)
@@ -213,7 +220,7 @@ class Admission:
                                                         "the request's deadline passed while it was queued"))
                 continue
             try:
-                placement = self._try_place(waiter.requested, waiter.num_prompt_tokens)
+                placement = self._try_place(waiter.requested, waiter.num_prompt_tokens, waiter.tenant)
             except RouterError as exc:  # its version went away while it waited
                 queue.pop()
                 waiter.future.set_exception(exc)
@@ -224,17 +231,21 @@ class Admission:
             waiter.future.set_result(placement)
         return True
 
-    def _try_place(self, requested: str, num_prompt_tokens: int) -> Placement | None:
+    def _is_idle(self, name: str, tenant: str) -> bool:
+        return self._registry.num_assigned_to_tenant(name, tenant) == 0
+
+    def _try_place(self, requested: str, num_prompt_tokens: int, tenant: str = "") -> Placement | None:
         resolution = self.resolve(requested)
         if resolution.version is None:
             return None
         workers = {e.worker_id: e for e in self._registry.healthy_workers(resolution.name, resolution.version)}
         loads = [self._registry.load_of(e) for e in workers.values()]
-        chosen = choose_worker(loads, num_prompt_tokens, self._limits)
+        chosen = choose_worker(loads, num_prompt_tokens, self._limits, self._is_idle(resolution.name, tenant))
         if chosen is None:
             return None
         self._registry.record_placement(workers[chosen], num_prompt_tokens)
-        self._registry.assign(workers[chosen])  # released by the router service when the relay ends
+        # Released (with the tenant) by the router service when the relay ends.
+        self._registry.assign(workers[chosen], tenant)
         return Placement(workers[chosen], resolution)
 
     def _wait_budget(self, deadline_unix_s: float) -> float:

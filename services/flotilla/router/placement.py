@@ -25,14 +25,21 @@ class WorkerLoad:
 class PlacementLimits:
     max_queued_tokens_per_worker: int = 32_768
     max_requests_per_worker: int = 64  # a full batch here; the router holds the rest (fairly) in its queues
+    # Requests a worker may take above max_requests_per_worker for tenants with nothing in flight for the
+    # model: a quiet tenant's request starts at once instead of waiting for a flooding tenant's to finish
+    # (new flows first, as in FQ-CoDel). Bounded per worker, so many quiet tenants cannot overfill it.
+    idle_tenant_extra_slots: int = 0
 
     def __post_init__(self) -> None:
         if self.max_queued_tokens_per_worker < 1 or self.max_requests_per_worker < 1:
             raise ValueError("placement limits must be >= 1")
+        if self.idle_tenant_extra_slots < 0:
+            raise ValueError("idle_tenant_extra_slots must be >= 0")
 
 
-def can_admit(load: WorkerLoad, num_prompt_tokens: int, limits: PlacementLimits) -> bool:
-    if load.num_requests >= limits.max_requests_per_worker:
+def can_admit(load: WorkerLoad, num_prompt_tokens: int, limits: PlacementLimits, idle_tenant: bool = False) -> bool:
+    max_requests = limits.max_requests_per_worker + (limits.idle_tenant_extra_slots if idle_tenant else 0)
+    if load.num_requests >= max_requests:
         return False
     # A worker with nothing queued takes any prompt, however long: otherwise a long prompt would never run.
     if load.num_queued_tokens == 0:
@@ -45,9 +52,11 @@ def headroom_key(load: WorkerLoad) -> tuple[int, int, int, str]:
     return (load.num_queued_tokens, -load.num_free_blocks, load.num_requests, load.worker_id)
 
 
-def choose_worker(loads: Iterable[WorkerLoad], num_prompt_tokens: int, limits: PlacementLimits) -> str | None:
-    """The id of the worker with the most headroom among those with room, or None when none has room."""
-    candidates = [load for load in loads if can_admit(load, num_prompt_tokens, limits)]
+def choose_worker(loads: Iterable[WorkerLoad], num_prompt_tokens: int, limits: PlacementLimits,
+                  idle_tenant: bool = False) -> str | None:
+    """The id of the worker with the most headroom among those with room, or None when none has room.
+    `idle_tenant`: the request's tenant has nothing in flight for the model (may use the extra slots)."""
+    candidates = [load for load in loads if can_admit(load, num_prompt_tokens, limits, idle_tenant)]
     if not candidates:
         return None
     return min(candidates, key=headroom_key).worker_id

@@ -8,6 +8,7 @@ there since (reset by the next report, which then includes it).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 import math
 import time
 from collections.abc import Callable
@@ -80,6 +81,7 @@ class WorkerRegistry:
         self._clock = clock
         self._channel_factory = channel_factory
         self._workers: dict[str, WorkerEntry] = {}
+        self._tenant_assigned: Counter[tuple[str, str]] = Counter()  # (model name, tenant) -> requests placed
         # Replaced or removed workers whose channels sweep() closes once their relayed streams ended
         # (a worker that deregisters to drain still finishes its streams).
         self._closing: list[WorkerEntry] = []
@@ -213,12 +215,22 @@ class WorkerRegistry:
         entry.num_placed_requests += 1
         entry.num_placed_tokens += num_prompt_tokens
 
-    def assign(self, entry: WorkerEntry) -> None:
+    def assign(self, entry: WorkerEntry, tenant: str = "") -> None:
         entry.num_assigned += 1
+        self._tenant_assigned[(entry.model_name, tenant)] += 1
 
-    def release(self, entry: WorkerEntry) -> None:
+    def release(self, entry: WorkerEntry, tenant: str = "") -> None:
         entry.num_assigned = max(0, entry.num_assigned - 1)
         entry.num_released_since_report += 1
+        key = (entry.model_name, tenant)
+        if self._tenant_assigned[key] <= 1:
+            del self._tenant_assigned[key]
+        else:
+            self._tenant_assigned[key] -= 1
+
+    def num_assigned_to_tenant(self, model_name: str, tenant: str) -> int:
+        """Requests of this tenant the router placed for this model whose relay has not ended (any worker)."""
+        return self._tenant_assigned.get((model_name, tenant), 0)
 
     def load_of(self, entry: WorkerEntry) -> WorkerLoad:
         report = entry.report

@@ -171,7 +171,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
             # aborts the request in its engine.
             call.cancel()
             worker.num_inflight -= 1
-            self._registry.release(worker)  # its slot is free for the next queued request
+            self._registry.release(worker, request.tenant_id)  # its slot is free for the next queued request
 
     def _record_tokens(self, placement: Placement, num_tokens: int, arrived_s: float | None) -> float | None:
         """Count relayed tokens for the token mix; the first ones also give a TTFT sample. Returns None
