@@ -8,9 +8,9 @@ there since (reset by the next report, which then includes it).
 from __future__ import annotations
 
 import logging
-from collections import Counter
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
