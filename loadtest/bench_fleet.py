@@ -33,12 +33,14 @@ import httpx  # noqa: E402
 from loadtest.common.checkpoint_cache import ensure_checkpoint  # noqa: E402
 from loadtest.common.cpu_time import cpu_accounting  # noqa: E402
 from loadtest.common.engine_workload import Workload  # noqa: E402
-from loadtest.common.vllm_baseline import run_vllm  # noqa: E402
+from loadtest.common.vllm_baseline import run_vllm, vllm_env  # noqa: E402
 from loadtest.serving.client import Endpoint, run_workload  # noqa: E402
 from loadtest.serving.stats import SLO, summarize  # noqa: E402
 from loadtest.serving.workload import WorkloadConfig, build_workload  # noqa: E402
 
 MODEL = "flotilla-tiny"
+VLLM_THREADS = os.cpu_count() or 1  # bound to every core, like the fleet's worker (torch default)
+VLLM_KV_CACHE_GIB = 4
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -88,7 +90,7 @@ class OfflineEngine:
 
 
 def vllm_server(python: str, model_dir: Path, port: int, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "4"}
+    env = vllm_env(VLLM_THREADS, VLLM_KV_CACHE_GIB)
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--dtype", "float32",
                "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048"]
     return subprocess.Popen(command, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
@@ -166,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                 server.wait(30)
             # vLLM's own loss, server against offline, on the same prompts and batch bound
             outcome = run_vllm(args.compare_vllm, str(model_dir), Workload(offline.prompts, offline.max_tokens),
-                               2, 4, 900, max_num_seqs=args.max_concurrency)
+                               VLLM_THREADS, VLLM_KV_CACHE_GIB, 900, max_num_seqs=args.max_concurrency)
             if outcome.throughput is None:
                 print(f"vLLM offline skipped: {outcome.skipped_reason}")
             else:

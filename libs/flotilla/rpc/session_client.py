@@ -187,8 +187,8 @@ def _split(actions: pb.SessionActions) -> list[pb.SessionActions]:
     return messages
 
 
+_STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+
+
 def _status(value: int) -> grpc.StatusCode:
-    for code in grpc.StatusCode:
-        if code.value[0] == value:
-            return code
-    return grpc.StatusCode.UNKNOWN
+    return _STATUS_BY_VALUE.get(value, grpc.StatusCode.UNKNOWN)
