@@ -186,9 +186,11 @@ def report(name: str, summary: dict, line: dict) -> None:
     ms = {f"{name}_{metric[:-2]}_{stat}_ms": None if value is None else round(value * 1000, 1)
           for metric, row in latency.items() for stat, value in row.items() if stat in ("p50", "p95")}
     line[f"{name}_tok_s"] = round(summary["output_tok_s"], 1)
+    line[f"{name}_tokens_per_event"] = round(summary["tokens_per_event"], 2)
     line[f"{name}_errors"] = summary["errors"]
     line.update(ms)
     print(f"{name}: {summary['num_ok']}/{summary['num_requests']} ok, {summary['output_tok_s']:.1f} output tok/s, "
+          f"{summary['tokens_per_event']:.2f} tokens per SSE event, "
           + ", ".join(f"{k.split('_', 1)[1]} {v}" for k, v in ms.items()))
 
 

@@ -58,6 +58,8 @@ def summarize(run: RunResult, slo: SLO) -> dict:
         "output_tokens": output_tokens,
         "prompt_tokens": sum(r.prompt_tokens for r in ok),
         "output_tok_s": output_tokens / run.duration_s if run.duration_s else 0.0,
+        # > 1 when a server sends several tokens in one streamed event (coalescing)
+        "tokens_per_event": output_tokens / max(1, sum(len(r.chunk_times_s) for r in ok)),
         "goodput_req_s": len(good) / run.duration_s if run.duration_s else 0.0,
         "slo_attainment": len(good) / len(results) if results else 0.0,
         "latency": latency_summary(results),

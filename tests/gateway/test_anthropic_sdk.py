@@ -73,14 +73,17 @@ def test_stream_event_sequence(gateway):
         events = _sse_events(response.iter_lines())
 
     names = [name for name, _ in events]
-    assert names == ["message_start", "content_block_start", "ping", "content_block_delta", "content_block_delta",
-                     "content_block_stop", "message_delta", "message_stop"]
+    # Tokens that reach the gateway together leave in one delta: how many deltas depends on timing.
+    collapsed = [name for i, name in enumerate(names) if name != "content_block_delta" or names[i - 1] != name]
+    assert collapsed == ["message_start", "content_block_start", "ping", "content_block_delta",
+                         "content_block_stop", "message_delta", "message_stop"]
     assert all(data["type"] == name for name, data in events)
     start = events[0][1]["message"]
     assert start["content"] == [] and start["stop_reason"] is None and start["usage"]["input_tokens"] > 0
-    assert events[3][1]["delta"] == {"type": "text_delta", "text": canned_text(2)}
-    assert events[6][1]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
-    assert events[6][1]["usage"]["output_tokens"] == 3
+    deltas = [data["delta"] for name, data in events if name == "content_block_delta"]
+    assert all(d["type"] == "text_delta" for d in deltas) and "".join(d["text"] for d in deltas) == canned_text(3)
+    assert events[-2][1]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    assert events[-2][1]["usage"]["output_tokens"] == 3
 
 
 def test_stream_error_event_mid_stream(gateway, client):

@@ -170,3 +170,27 @@ def test_long_prompts_travel_in_several_messages():
     assert list(messages[0].cancel) == [9]
     assert [o.stream_id for m in messages for o in m.open] == list(range(5))
     assert all(m.ByteSize() <= MAX_ACTIONS_BYTES for m in messages)
+
+
+async def test_next_ready_hands_out_what_has_arrived_but_leaves_the_end_to_iteration(served):
+    _, _, _, client = served
+    stream = client.generate(_request("together", "ok", num_chunks=4))  # all written before the writer runs
+    first = await anext(stream)
+    await asyncio.sleep(0.05)  # the whole message is in by now
+    following = []
+    while (response := stream.next_ready()) is not None:
+        following.append(response)
+    assert [r.chunk.token_ids[0] for r in [first, *following[:3]]] == [0, 1, 2, 3]
+    assert following[-1].HasField("finished") and stream.next_ready() is None
+    assert await _drain(stream) == []  # the end marker: iteration stops cleanly
+
+
+async def test_a_deadline_that_passes_while_events_flow_fails_the_stream(served):
+    worker, _, _, client = served
+    stream = client.generate(_request("steady", "slow", num_chunks=1000), timeout=0.2)
+    received = 0
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        async for _ in stream:
+            received += 1
+    assert failure.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and 0 < received < 1000
+    await _until(lambda: "steady" in worker.cancelled)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from prometheus_client import CollectorRegistry, Histogram
 
@@ -60,7 +61,7 @@ class StreamTimer:
             self._labelled(self.histograms.ttft).observe(now - self.started_at)
         else:
             gap = (now - self.last_token_at) / num_tokens
-            itl = self._labelled(self.histograms.itl)
+            itl = self._itl
             for _ in range(num_tokens):
                 itl.observe(gap)
         self.last_token_at = now
@@ -86,6 +87,10 @@ class StreamTimer:
     def e2e_s(self) -> float | None:
         end = self.finished_at if self.finished_at is not None else self.last_token_at
         return None if end is None else end - self.started_at
+
+    @cached_property
+    def _itl(self):
+        return self._labelled(self.histograms.itl)  # once per request, not per token
 
     def _labelled(self, histogram: Histogram):
         return histogram.labels(self.model, self.tier)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -35,12 +36,18 @@ class SessionStream:
     def __init__(self, session: _Session, stream_id: int, deadline: float | None):
         self._session = session
         self.stream_id = stream_id
-        self._deadline = deadline  # loop time; the caller's timeout, enforced here
-        self._events: asyncio.Queue[pb.SessionEvent | grpc.aio.AioRpcError] = asyncio.Queue()
+        self._events: deque[pb.SessionEvent | grpc.aio.AioRpcError] = deque()
+        self._waiter: asyncio.Future | None = None  # set while the reader awaits the next event
         self._done = False
+        # The caller's timeout: one timer for the stream's life (a timeout around every read would cost a
+        # timer per token); when it fires, the stream reads DEADLINE_EXCEEDED next and the callee is told.
+        self._deadline_timer = (None if deadline is None
+                                else asyncio.get_running_loop().call_at(deadline, self._deadline_passed))
 
     def deliver(self, event: pb.SessionEvent | grpc.aio.AioRpcError) -> None:
-        self._events.put_nowait(event)
+        self._events.append(event)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def __aiter__(self) -> SessionStream:
         return self
@@ -48,14 +55,30 @@ class SessionStream:
     async def __anext__(self) -> pb.GenerateResponse:
         if self._done:
             raise StopAsyncIteration
-        try:
-            async with asyncio.timeout_at(self._deadline):
-                event = await self._events.get()
-        except TimeoutError:
-            self.cancel()
-            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        while not self._events:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._take(self._events.popleft())
+
+    def next_ready(self) -> pb.GenerateResponse | None:
+        """The next response if it has already arrived, without waiting; None when nothing has, or when
+        what comes next is the stream's end or an error (the next iteration reports those)."""
+        if self._done or not self._events:
+            return None
+        event = self._events[0]
+        if isinstance(event, grpc.aio.AioRpcError) or event.end:
+            return None
+        self._events.popleft()
+        return event.response
+
+    def _take(self, event: pb.SessionEvent | grpc.aio.AioRpcError) -> pb.GenerateResponse:
         if isinstance(event, grpc.aio.AioRpcError):
             self._finish()
+            if event.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._session.cancel(self.stream_id)
             raise event
         if not event.end:
             return event.response
@@ -63,6 +86,10 @@ class SessionStream:
         if event.status_code:
             raise rpc_error(_status(event.status_code), event.status_details)
         raise StopAsyncIteration
+
+    def _deadline_passed(self) -> None:
+        if not self._done:
+            self.deliver(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
 
     def cancel(self) -> bool:
         """Tell the callee to abort the stream; False when it had already ended."""
@@ -77,6 +104,8 @@ class SessionStream:
 
     def _finish(self) -> None:
         self._done = True
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
         self._session.forget(self.stream_id)
 
 

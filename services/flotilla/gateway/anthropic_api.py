@@ -6,7 +6,6 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -22,7 +21,7 @@ from flotilla.gateway.errors import ErrorKind, GatewayError
 from flotilla.gateway.generation import (Job, Outcome, Usage, check_context_window, checked_sampling, collect,
                                          router_events, tokenize, until_disconnected)
 from flotilla.gateway.model_registry import TokenizerLike
-from flotilla.gateway.sse import Events, first_event, sse_json, sse_response
+from flotilla.gateway.sse import Events, SSEResponse, first_event, sse_json
 
 
 @dialect_endpoint(Dialect.ANTHROPIC)
@@ -46,7 +45,7 @@ async def create_message(request: Request) -> Response:
     message_id = "msg_" + job.request_id.removeprefix("req_")
     if params.stream:
         first = await first_event(request, events)
-        return sse_response(_message_events(message_id, job, first, events, ctx.metrics), _ping)
+        return SSEResponse(_message_events(message_id, job, first, events, ctx.metrics), ping=PING)
     async with aclosing(events):
         generation = await until_disconnected(request, collect(events))
     return JSONResponse(message_body(message_id, job.model.name, [_text_block(generation.text)], generation.outcome))
@@ -79,7 +78,7 @@ def usage_body(usage: Usage) -> dict:
 
 
 async def _message_events(message_id: str, job: Job, first: common.TokenChunk | Outcome, events: Events,
-                          metrics) -> AsyncIterator[ServerSentEvent]:
+                          metrics) -> AsyncIterator[bytes]:
     metrics.streams_in_flight.inc()
     try:
         start_usage = {"input_tokens": len(job.prompt_token_ids), "output_tokens": 0}
@@ -87,7 +86,7 @@ async def _message_events(message_id: str, job: Job, first: common.TokenChunk | 
         yield sse_json({"type": "message_start", "message": start}, "message_start")
         yield sse_json({"type": "content_block_start", "index": 0, "content_block": _text_block("")},
                        "content_block_start")
-        yield _ping()
+        yield PING
         event = first
         while not isinstance(event, Outcome):
             if event.text:
@@ -105,8 +104,7 @@ async def _message_events(message_id: str, job: Job, first: common.TokenChunk | 
         await events.aclose()
 
 
-def _ping() -> ServerSentEvent:
-    return sse_json({"type": "ping"}, "ping")
+PING = sse_json({"type": "ping"}, "ping")
 
 
 def _text_block(text: str) -> dict:

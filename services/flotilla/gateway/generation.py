@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, TypeVar
 
 import grpc
@@ -132,7 +133,11 @@ class Metering:
         self.saw_first_token = self.saw_first_token or bool(chunk.token_ids)
         self.timer.on_tokens(len(chunk.token_ids))
         self.num_output_tokens += len(chunk.token_ids)
-        self._tokens("completion").inc(len(chunk.token_ids))
+        self._completion_tokens.inc(len(chunk.token_ids))
+
+    @cached_property
+    def _completion_tokens(self):
+        return self._tokens("completion")  # the labelled counter, looked up once per request
 
     def _tokens(self, kind: str):
         return self.metrics.tokens.labels(self.job.model.name, self.job.principal.tier, kind)

@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -24,7 +23,7 @@ from flotilla.gateway.generation import (Job, Outcome, Usage, check_context_wind
                                          router_events, tokenize, until_disconnected)
 from flotilla.gateway.model_registry import ServedModel, TokenizerLike
 from flotilla.gateway.openai_schema import ChatCompletionRequest, CommonParams, CompletionRequest
-from flotilla.gateway.sse import Events, first_event, sse_json, sse_response
+from flotilla.gateway.sse import Events, SSEResponse, first_event, sse_data, sse_json
 
 # (text, finish_reason, logprobs) -> one choice
 ChoiceFn = Callable[[str, str | None, dict | None], dict]
@@ -137,7 +136,7 @@ async def _generate(request: Request, ctx: GatewayContext, plan: Plan) -> Respon
     head = _Head(plan.endpoint.id_prefix + job.request_id.removeprefix("req_"), int(time.time()), plan.model.name)
     if params.stream:
         first = await first_event(request, events)
-        return sse_response(_chunks(plan, head, first, events, ctx))
+        return SSEResponse(_chunks(plan, head, first, events, ctx))
     async with aclosing(events):
         generation = await until_disconnected(request, collect(events))
     logprobs = (plan.endpoint.logprobs(plan.model.tokenizer, generation.chunks, 0)
@@ -161,10 +160,10 @@ class _Head:
 
 
 async def _chunks(plan: Plan, head: _Head, first: common.TokenChunk | Outcome, events: Events,
-                  ctx: GatewayContext) -> AsyncIterator[ServerSentEvent]:
+                  ctx: GatewayContext) -> AsyncIterator[bytes]:
     endpoint, include_usage = plan.endpoint, plan.params.include_usage
 
-    def chunk(choice: dict) -> ServerSentEvent:
+    def chunk(choice: dict) -> bytes:
         # With include_usage every chunk carries "usage": null; the usage comes in a last, choice-less chunk.
         return sse_json(head.body(endpoint.chunk_object_name, [choice], None, with_usage=include_usage))
 
@@ -183,7 +182,7 @@ async def _chunks(plan: Plan, head: _Head, first: common.TokenChunk | Outcome, e
         yield chunk(endpoint.chunk_choice("", finish_reason(event), None))
         if include_usage:
             yield sse_json(head.body(endpoint.chunk_object_name, [], usage_body(event.usage)))
-        yield ServerSentEvent("[DONE]")
+        yield sse_data("[DONE]")
     except GatewayError as err:
         yield sse_json(error_body(Dialect.OPENAI, err))
     finally:

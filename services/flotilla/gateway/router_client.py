@@ -8,7 +8,7 @@ from typing import Protocol
 from flotilla.api.common.v1 import common_pb2 as common
 from flotilla.api.router.v1 import router_pb2, router_pb2_grpc
 from flotilla.rpc.options import aio_channel
-from flotilla.rpc.session_client import SessionClient
+from flotilla.rpc.session_client import SessionClient, SessionStream
 
 
 class RouterBackend(Protocol):
@@ -19,6 +19,43 @@ class RouterBackend(Protocol):
     ) -> AsyncIterator[common.GenerateResponse]: ...
 
     async def list_models(self) -> list[common.ModelInfo]: ...
+
+
+class RouterStream:
+    """One request's events from the router. Token chunks that have already arrived together leave as one:
+    a gateway that falls behind sends a client several tokens per SSE event instead of working through a
+    backlog one token at a time. `aclose()` (reached through aclosing() on completion, errors and
+    cancellation alike) cancels an unfinished call, which aborts the request in the engine."""
+
+    __slots__ = ("_call", "_held")
+
+    def __init__(self, call: SessionStream):
+        self._call = call
+        self._held: common.GenerateResponse | None = None  # a non-chunk event read while merging
+
+    def __aiter__(self) -> RouterStream:
+        return self
+
+    async def __anext__(self) -> common.GenerateResponse:
+        response, self._held = self._held, None
+        if response is None:
+            response = await anext(self._call)
+        if response.HasField("chunk"):
+            while (following := self._call.next_ready()) is not None:
+                if not following.HasField("chunk"):
+                    self._held = following
+                    break
+                merge_chunk(response.chunk, following.chunk)
+        return response
+
+    async def aclose(self) -> None:
+        self._call.cancel()
+
+
+def merge_chunk(into: common.TokenChunk, following: common.TokenChunk) -> None:
+    into.token_ids.extend(following.token_ids)
+    into.text += following.text
+    into.logprobs.extend(following.logprobs)
 
 
 class RouterClient:
@@ -33,18 +70,11 @@ class RouterClient:
         # in one message instead of one message per request.
         self._session = SessionClient(self._stub.GenerateSession)
 
-    async def generate(
+    def generate(
         self, request: common.GenerateRequest, metadata: Sequence[tuple[str, str]] = ()
-    ) -> AsyncIterator[common.GenerateResponse]:
+    ) -> RouterStream:
         """`metadata`: gRPC metadata for the call (trace context, tier)."""
-        call = self._session.generate(request, metadata)
-        try:
-            async for response in call:
-                yield response
-        finally:
-            # Reached on completion, on an error, on aclose() and on task cancellation alike; cancelling
-            # a finished call is a no-op, an unfinished one tells the router to abort the request.
-            call.cancel()
+        return RouterStream(self._session.generate(request, metadata))
 
     async def list_models(self) -> list[common.ModelInfo]:
         response = await self._stub.ListModels(router_pb2.ListModelsRequest(), timeout=self._list_timeout_s)
