@@ -56,6 +56,20 @@ async def test_outputs_waiting_together_come_out_merged():
     assert fake.thread_ids and threading.get_ident() not in fake.thread_ids and len(fake.thread_ids) == 1
 
 
+async def test_a_stream_interval_releases_running_tokens_every_k_steps():
+    fake = FakeEngine(step_seconds=0.02)  # slow steps: the consumer keeps up, so merging is the pacer's
+    engine = AsyncEngine(lambda: fake, stream_interval=3)
+    await engine.start()
+    stream = await engine.generate("r1", [1, 2, 3], SamplingParams(max_tokens=7))
+    outputs = await collect(stream)
+    assert [o.new_token_ids for o in outputs][0] == [FIRST_TOKEN]  # the first token at once
+    # then steps 3 and 6 release what was held, and the last token leaves at once: 4 outputs, not 7
+    assert len(outputs) <= 4
+    assert [t for o in outputs for t in o.new_token_ids] == [FIRST_TOKEN + i for i in range(7)]
+    assert outputs[-1].finished and outputs[-1].num_output_tokens == 7
+    await engine.shutdown()
+
+
 async def test_validation_errors_raise_in_the_caller():
     fake = FakeEngine(max_model_len=10)
     engine = await started(fake)

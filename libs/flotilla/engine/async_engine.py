@@ -25,6 +25,7 @@ from flotilla.engine.errors import InvalidRequestError
 from flotilla.engine.outputs import EngineStats, RequestOutput
 from flotilla.engine.request import FinishReason, Priority
 from flotilla.engine.sampling_params import SamplingParams
+from flotilla.engine.stream_pacer import StreamPacer
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,10 @@ _ABORTED = object()  # queue marker: the engine dropped the request (abort or sh
 
 
 class AsyncEngine:
-    def __init__(self, engine_factory: EngineFactory, check_integrity_when_idle: bool = True):
+    def __init__(self, engine_factory: EngineFactory, check_integrity_when_idle: bool = True,
+                 stream_interval: int = 1):
+        """`stream_interval`: release a running request's tokens every this many steps (stream_pacer.py)."""
+        self._pacer = StreamPacer(stream_interval)
         self._factory = engine_factory
         self._check_integrity_when_idle = check_integrity_when_idle
         self._cond = threading.Condition()
@@ -267,7 +271,7 @@ class AsyncEngine:
                 self._abort_all(engine)
                 return
             if engine.has_unfinished_requests():
-                deliveries = self._step(engine)
+                deliveries = self._pacer.pace(self._step(engine))
                 self._take_snapshot(engine)  # before the outputs: whoever saw an output sees its load too
                 if deliveries:
                     self._call_soon(_deliver, deliveries)
@@ -289,6 +293,7 @@ class AsyncEngine:
             stream = self._active.pop(command.request_id, None)
             found = engine.abort(command.request_id)
             if stream is not None:
+                self._pacer.drop(stream)
                 self._call_soon(stream._push, _ABORTED)
             return _Ack(command.ack, found, None)
         if isinstance(command, _Call):
@@ -341,6 +346,7 @@ class AsyncEngine:
             engine.abort(request_id)
             self._call_soon(stream._push, _ABORTED)
         self._active.clear()
+        self._pacer.clear()
         self._take_snapshot(engine)
 
     def _take_snapshot(self, engine: LLMEngine) -> None:

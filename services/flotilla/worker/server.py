@@ -32,14 +32,14 @@ async def serve(
     if stop is None:
         stop = asyncio.Event()
         stop_on_signals(stop)
-    engine = AsyncEngine(engine_factory or (lambda: LLMEngine(config.engine)))
+    engine = AsyncEngine(engine_factory or (lambda: LLMEngine(config.engine)), stream_interval=config.stream_interval)
     await engine.start()
     worker_id = config.resolved_worker_id()
     model = model_info(engine, config.resolved_model_name())
     metrics = WorkerMetrics()
     metrics.watch_engine(engine.stats, model.name, worker_id)
     server = aio_server()
-    worker_service = WorkerService(engine, worker_id, model, metrics, stream_interval_s=config.stream_interval_s)
+    worker_service = WorkerService(engine, worker_id, model, metrics)
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(worker_service, server)
     port = bind(server, config.host, config.port)
     kv = await attach_kv_transfer(config.disagg, engine, server, worker_service, config.advertise_host or config.host,

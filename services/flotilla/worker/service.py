@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 
 import logging
 
@@ -41,9 +40,8 @@ def model_info(engine: AsyncEngine, name: str) -> pb.ModelInfo:
 
 class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, engine: AsyncEngine, worker_id: str, model: pb.ModelInfo,
-                 metrics: WorkerMetrics | None = None, stream_interval_s: float = 0.0):
+                 metrics: WorkerMetrics | None = None):
         self._engine = engine
-        self._stream_interval_s = stream_interval_s
         self.worker_id = worker_id
         self.model = model
         self.metrics = metrics or WorkerMetrics()
@@ -89,8 +87,6 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
                 if output.finished:  # before the write: the caller may hang up as soon as it has the result
                     outcome = output.finish_reason.value if output.finish_reason else "stop"
                 await self._write(context, output)
-                if self._stream_interval_s and not output.finished:
-                    await asyncio.sleep(self._stream_interval_s)  # the stream coalesces what arrives meanwhile
         except EngineDeadError as exc:
             outcome = "engine_dead"
             await context.write(error_response(pb.ERROR_CODE_INTERNAL, str(exc), worker_id=self.worker_id))
