@@ -5,7 +5,7 @@ tokens), in one run; optionally vLLM's OpenAI server on the same checkpoint too.
 the offline engine, TTFT/TPOT of the streamed runs, and last ONE JSON line.
 
   .venv/bin/python loadtest/bench_fleet.py --num-prompts 256 --max-concurrency 64
-  .venv/bin/python loadtest/bench_fleet.py --size micro --max-concurrency 128 --stream-interval 4
+  .venv/bin/python loadtest/bench_fleet.py --size micro --max-concurrency 128 --stream-interval-ms 150
   .venv/bin/python loadtest/bench_fleet.py --workers 2 --worker-threads 1   # one single-threaded worker per core
   .venv/bin/python loadtest/bench_fleet.py --compare-vllm ~/vllm-cpu/.venv/bin/python
 """
@@ -53,7 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-words", type=int, nargs=2, default=(16, 64), metavar=("MIN", "MAX"))
     p.add_argument("--output-tokens", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"))
     p.add_argument("--compare-vllm", metavar="PYTHON", help="also vLLM's OpenAI server, run by this interpreter")
-    p.add_argument("--stream-interval", type=int, default=1, help="the workers' --stream-interval")
+    p.add_argument("--stream-interval-ms", type=float, default=0.0, help="the workers' --stream-interval-ms")
+    p.add_argument("--vllm-stream-interval", type=int, default=1,
+                   help="vLLM's --stream-interval (tokens), e.g. what --stream-interval-ms comes to at the step time")
     p.add_argument("--workers", type=int, default=1, help="workers in the fleet (colocated, role both)")
     p.add_argument("--worker-threads", type=int, default=0,
                    help="OpenMP/torch threads per worker (0: torch's default, one per core); e.g. --workers 2 "
@@ -93,7 +95,7 @@ def vllm_server(python: str, model_dir: Path, port: int, log: Path, stream_inter
     env = vllm_env(VLLM_THREADS, VLLM_KV_CACHE_GIB)
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--dtype", "float32",
                "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
-               "--stream-interval", str(stream_interval)]  # the fleet's, so both stream alike
+               "--stream-interval", str(stream_interval)]
     return subprocess.Popen(command, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
 
 
@@ -121,14 +123,14 @@ def main(argv: list[str] | None = None) -> int:
                                           output_tokens=tuple(args.output_tokens), seed=args.seed))
     line: dict = {"size": args.size, "num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency,
                   "workers": args.workers, "worker_threads": args.worker_threads,
-                  "stream_interval": args.stream_interval,
+                  "stream_interval_ms": args.stream_interval_ms, "vllm_stream_interval": args.vllm_stream_interval,
                   "loadavg_1m_start": os.getloadavg()[0]}
     offline = OfflineEngine(model_dir, specs, args.max_concurrency)
     with tempfile.TemporaryDirectory(prefix="bench-fleet-") as state:
         config = FleetConfig(model_dir=model_dir, state_dir=Path(state), model_name=MODEL, num_workers=args.workers,
                              env={"OMP_NUM_THREADS": str(args.worker_threads)} if args.worker_threads else {},
                              worker_args=["--num-kv-blocks", "8192", "--max-num-seqs", str(args.max_concurrency),
-                                          "--stream-interval", str(args.stream_interval)],
+                                          "--stream-interval-ms", str(args.stream_interval_ms)],
                              router_args=["--max-requests-per-worker", str(args.max_concurrency)])  # one batch
         fleet_runs, offline_runs = [], []
         with LocalFleet(config) as fleet:
@@ -157,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fleet loses {line['fleet_loss_vs_offline']:.1%} output tok/s against the offline engine (medians)")
         if args.compare_vllm:
             port = free_port()
-            server = vllm_server(args.compare_vllm, model_dir, port, Path(state) / "vllm.log", args.stream_interval)
+            server = vllm_server(args.compare_vllm, model_dir, port, Path(state) / "vllm.log",
+                                 args.vllm_stream_interval)
             try:
                 wait_http(f"http://127.0.0.1:{port}/v1/models", 600, server)
                 base = f"http://127.0.0.1:{port}/v1"

@@ -56,14 +56,14 @@ async def test_outputs_waiting_together_come_out_merged():
     assert fake.thread_ids and threading.get_ident() not in fake.thread_ids and len(fake.thread_ids) == 1
 
 
-async def test_a_stream_interval_releases_running_tokens_every_k_steps():
+async def test_a_stream_interval_releases_running_tokens_together():
     fake = FakeEngine(step_seconds=0.02)  # slow steps: the consumer keeps up, so merging is the pacer's
-    engine = AsyncEngine(lambda: fake, stream_interval=3)
+    engine = AsyncEngine(lambda: fake, stream_interval_s=0.05)
     await engine.start()
     stream = await engine.generate("r1", [1, 2, 3], SamplingParams(max_tokens=7))
     outputs = await collect(stream)
     assert [o.new_token_ids for o in outputs][0] == [FIRST_TOKEN]  # the first token at once
-    # then steps 3 and 6 release what was held, and the last token leaves at once: 4 outputs, not 7
+    # then a release every ~3 steps, and the last token at once: 3 or 4 outputs, not 7
     assert len(outputs) <= 4
     assert [t for o in outputs for t in o.new_token_ids] == [FIRST_TOKEN + i for i in range(7)]
     assert outputs[-1].finished and outputs[-1].num_output_tokens == 7

@@ -28,10 +28,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     worker.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
     worker.add_argument("--num-host-kv-blocks", type=int, default=0, help="host blocks for swap preemption")
     worker.add_argument("--seed", type=int, default=0)
-    worker.add_argument("--stream-interval", type=int, default=1,
-                        help="send a running stream's tokens every K engine steps (K tokens per message and SSE "
-                             "event: less CPU per token on every hop, tokens arrive in bursts); first and last "
-                             "at once")
+    worker.add_argument("--stream-interval-ms", type=float, default=0.0,
+                        help="send running streams' tokens together at most this often (several tokens per "
+                             "message and SSE event: less CPU per token on every hop, tokens arrive in bursts); "
+                             "first and last tokens at once")
     worker.add_argument("--shutdown-grace-s", type=float, default=5.0,
                         help="SIGTERM: running streams may finish this long, then they move to another worker")
     worker.add_argument("--role", choices=("both", "prefill", "decode"), default="both",
@@ -102,7 +102,7 @@ def run_worker(args: argparse.Namespace) -> int:
         model_name=args.model_name,
         router_address=args.router,
         shutdown_grace_s=args.shutdown_grace_s,
-        stream_interval=args.stream_interval,
+        stream_interval_s=args.stream_interval_ms / 1000,
         metrics_port=args.metrics_port,
         metrics_port_file=args.metrics_port_file,
         disagg=DisaggSettings(args.role, args.min_remote_prefill_tokens, args.kv_lease_s,

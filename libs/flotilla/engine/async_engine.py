@@ -83,9 +83,9 @@ _ABORTED = object()  # queue marker: the engine dropped the request (abort or sh
 
 class AsyncEngine:
     def __init__(self, engine_factory: EngineFactory, check_integrity_when_idle: bool = True,
-                 stream_interval: int = 1):
-        """`stream_interval`: release a running request's tokens every this many steps (stream_pacer.py)."""
-        self._pacer = StreamPacer(stream_interval)
+                 stream_interval_s: float = 0.0):
+        """`stream_interval_s`: release running requests' tokens at most this often (stream_pacer.py)."""
+        self._pacer = StreamPacer(stream_interval_s)
         self._factory = engine_factory
         self._check_integrity_when_idle = check_integrity_when_idle
         self._cond = threading.Condition()

@@ -1,18 +1,20 @@
-"""Stream interval: how often a running request's tokens leave the engine thread.
+"""Stream interval: how often running requests' tokens leave the engine thread.
 
-With interval K > 1, a running request's new tokens are held and released every K engine steps, on the same
-steps for every request: a worker then sends one message per K steps per hop instead of one per step, and
-each SSE event carries about K tokens. Every message and event costs CPU in the worker, router, gateway and
-client; on a host whose cores they share with the engine, that is throughput (vLLM's `--stream-interval`
-is the same trade). A request's first output and its last leave at once, so TTFT and the end of a stream are
-never delayed; in between a client sees bursts of K tokens. K = 1 (the default): every step, nothing held.
+With an interval of D seconds, a running request's new tokens are held and released at the first engine step
+that ends D or more after the previous release, the same step for every request: a worker then sends one
+message per release per hop instead of one per step, and each SSE event carries the tokens of several steps.
+Every message and event costs CPU in the worker, router, gateway and client; on a host whose cores they share
+with the engine that is throughput. D is time, not a step count, so it bounds what a client waits for a token
+whatever the model's step time (with steps slower than D nothing is held). A request's first output and its
+last leave at once: TTFT and the end of a stream are never delayed. D = 0 (the default): nothing is held.
 
 Engine thread only (no locking).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import time
+from collections.abc import Callable, Hashable
 from typing import TypeVar
 
 from flotilla.engine.outputs import RequestOutput
@@ -21,19 +23,21 @@ S = TypeVar("S", bound=Hashable)  # the consumer's stream, as the engine thread 
 
 
 class StreamPacer:
-    def __init__(self, interval: int = 1):
-        if interval < 1:
-            raise ValueError(f"stream interval must be >= 1, got {interval}")
-        self.interval = interval
-        self._num_steps = 0
+    def __init__(self, interval_s: float = 0.0, clock: Callable[[], float] = time.monotonic):
+        if interval_s < 0:
+            raise ValueError(f"stream interval must be >= 0 s, got {interval_s}")
+        self.interval_s = interval_s
+        self._clock = clock
+        self._last_release = float("-inf")
         self._held: dict[S, list[RequestOutput]] = {}
 
     def pace(self, deliveries: list[tuple[S, RequestOutput]]) -> list[tuple[S, RequestOutput]]:
         """One step's outputs in, what leaves now out (per stream in order: held outputs first)."""
-        if self.interval == 1:
+        if not self.interval_s:
             return deliveries
-        self._num_steps += 1
-        if self._num_steps % self.interval == 0:
+        now = self._clock()
+        if now - self._last_release >= self.interval_s:
+            self._last_release = now
             released = [(stream, output) for stream, held in self._held.items() for output in held]
             self._held.clear()
             return released + deliveries

@@ -22,9 +22,9 @@ class WorkerConfig:
     router_address: str | None = None  # host:port; None = serve alone, unregistered
     heartbeat_interval_s: float = 0.25  # until the router says otherwise
     shutdown_grace_s: float = 5.0  # streams still running after this are aborted
-    # Release a running request's tokens every this many engine steps, the same steps for all (one message
-    # per K steps per hop; engine/stream_pacer.py). 1: each token as soon as it is ready.
-    stream_interval: int = 1
+    # Release running requests' tokens at the first step this long after the previous release, the same step
+    # for all (one message per release per hop; engine/stream_pacer.py). 0: each token as soon as it is ready.
+    stream_interval_s: float = 0.0
     disagg: DisaggSettings = field(default_factory=DisaggSettings)  # role and KV hand-off settings
     metrics_port: int | None = None  # Prometheus /metrics on host:port (0 = any free port); None = off
     metrics_port_file: str | None = None  # where the bound metrics port is written
