@@ -22,9 +22,11 @@ class TrafficSnapshot:
 
 @dataclass
 class _ModelTraffic:
-    ttfts: deque[tuple[float, float]] = field(default_factory=deque)  # (at, seconds)
-    prompt_tokens: deque[tuple[float, int]] = field(default_factory=deque)
-    output_tokens: deque[tuple[float, int]] = field(default_factory=deque)
+    ttfts: deque[tuple[float, float]] = field(default_factory=deque)  # (at, seconds), one per request
+    # Token counts per whole second, [second, tokens]: output is recorded for every relayed chunk, and one
+    # entry per chunk made a 300 s window hold ~a million entries at a few thousand tokens per second.
+    prompt_tokens: deque[list[int]] = field(default_factory=deque)
+    output_tokens: deque[list[int]] = field(default_factory=deque)
 
 
 class TrafficWindow:
@@ -44,11 +46,11 @@ class TrafficWindow:
         self._model(model).ttfts.append((self._clock(), seconds))
 
     def record_prompt(self, model: str, num_tokens: int) -> None:
-        self._model(model).prompt_tokens.append((self._clock(), num_tokens))
+        _count(self._model(model).prompt_tokens, self._clock(), num_tokens)
 
     def record_output(self, model: str, num_tokens: int) -> None:
         if num_tokens:
-            self._model(model).output_tokens.append((self._clock(), num_tokens))
+            _count(self._model(model).output_tokens, self._clock(), num_tokens)
 
     def snapshot(self, model: str, window_s: float) -> TrafficSnapshot:
         traffic = self._model(model)
@@ -57,9 +59,23 @@ class TrafficWindow:
         return TrafficSnapshot(
             ttft_p95_s=_p95(ttfts),
             num_ttft_samples=len(ttfts),
-            num_prompt_tokens=sum(n for at, n in traffic.prompt_tokens if at >= since),
-            num_output_tokens=sum(n for at, n in traffic.output_tokens if at >= since),
+            num_prompt_tokens=_counted_since(traffic.prompt_tokens, since),
+            num_output_tokens=_counted_since(traffic.output_tokens, since),
         )
+
+
+def _count(buckets: deque[list[int]], at: float, num_tokens: int) -> None:
+    second = math.floor(at)
+    if buckets and buckets[-1][0] == second:
+        buckets[-1][1] += num_tokens
+    else:
+        buckets.append([second, num_tokens])
+
+
+def _counted_since(buckets: deque[list[int]], since: float) -> int:
+    """Tokens in the buckets from the one holding `since` on (the window's start is whole-second exact)."""
+    first = math.floor(since)
+    return sum(n for second, n in buckets if second >= first)
 
 
 def _p95(sorted_values: list[float]) -> float:
