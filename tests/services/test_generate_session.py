@@ -194,3 +194,34 @@ async def test_a_deadline_that_passes_while_events_flow_fails_the_stream(served)
             received += 1
     assert failure.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and 0 < received < 1000
     await _until(lambda: "steady" in worker.cancelled)
+
+
+async def test_a_direct_handler_takes_responses_as_they_arrive_and_leaves_the_end_to_iteration(served):
+    _, _, _, client = served
+    stream = client.generate(_request("direct", "slow", num_chunks=5))
+    taken = []
+
+    def take_chunks(response: pb.GenerateResponse) -> bool:
+        if not response.HasField("chunk"):
+            return False  # left to iteration
+        taken.append(response.chunk.token_ids[0])
+        return True
+
+    stream.relay_directly(take_chunks)
+    rest = await _drain(stream)
+    assert taken == [0, 1, 2, 3, 4]
+    assert len(rest) == 1 and rest[0].HasField("finished")
+
+
+async def test_a_failing_direct_handler_falls_back_to_iteration_and_spares_the_session(served):
+    _, _, _, client = served
+    stream = client.generate(_request("faulty", "slow", num_chunks=4))
+    other = client.generate(_request("bystander", "slow", num_chunks=4))
+
+    def broken(response: pb.GenerateResponse) -> bool:
+        raise RuntimeError("handler bug")
+
+    stream.relay_directly(broken)
+    responses, others = await asyncio.gather(_drain(stream), _drain(other))
+    assert [r.chunk.token_ids[0] for r in responses[:-1]] == [0, 1, 2, 3] and responses[-1].HasField("finished")
+    assert len(others) == 5 and others[-1].HasField("finished")

@@ -23,6 +23,7 @@ from flotilla.api.common.v1 import common_pb2 as pb
 logger = logging.getLogger(__name__)
 
 OpenCall = Callable[[], grpc.aio.StreamStreamCall]  # e.g. stub.GenerateSession
+DirectHandler = Callable[[pb.GenerateResponse], bool]
 MAX_ACTIONS_BYTES = 8 << 20  # well under the channels' message limit (rpc/options.py)
 
 
@@ -38,16 +39,34 @@ class SessionStream:
         self.stream_id = stream_id
         self._events: deque[pb.SessionEvent | grpc.aio.AioRpcError] = deque()
         self._waiter: asyncio.Future | None = None  # set while the reader awaits the next event
+        self._direct: DirectHandler | None = None
         self._done = False
         # The caller's timeout: one timer for the stream's life (a timeout around every read would cost a
         # timer per token); when it fires, the stream reads DEADLINE_EXCEEDED next and the callee is told.
         self._deadline_timer = (None if deadline is None
                                 else asyncio.get_running_loop().call_at(deadline, self._deadline_passed))
 
+    def relay_directly(self, handler: DirectHandler | None) -> None:
+        """While set, a response that arrives with nothing queued before it goes to `handler` at once, in the
+        session's reader: no task switch per event for a relay. The handler returns False for a response it
+        leaves to iteration (which then reads it in order); ends and errors always go to iteration."""
+        self._direct = handler
+
     def deliver(self, event: pb.SessionEvent | grpc.aio.AioRpcError) -> None:
+        if (self._direct is not None and not self._events and isinstance(event, pb.SessionEvent)
+                and not event.end and self._handled_directly(event.response)):
+            return
         self._events.append(event)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+
+    def _handled_directly(self, response: pb.GenerateResponse) -> bool:
+        try:
+            return self._direct(response)
+        except Exception:  # a handler bug must not end the session's reader (and every other stream)
+            logger.exception("direct handler of stream %d failed; back to iteration", self.stream_id)
+            self._direct = None
+            return False
 
     def __aiter__(self) -> SessionStream:
         return self

@@ -35,6 +35,10 @@ class StreamSink:
         self._metadata = metadata
 
     async def write(self, response: pb.GenerateResponse) -> None:
+        self.write_nowait(response)
+
+    def write_nowait(self, response: pb.GenerateResponse) -> None:
+        """The outbox never blocks: the same as write(), callable outside a coroutine."""
         self._outbox.put(pb.SessionEvent(stream_id=self._stream_id, response=response))
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:

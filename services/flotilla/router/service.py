@@ -152,6 +152,22 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         call = open_generate(
             plan, forwarded, timeout=_timeout(request.deadline_unix_s), metadata=telemetry.outgoing_metadata()
         )
+        relay_directly = getattr(call, "relay_directly", None)  # a worker session's stream
+        write_nowait = getattr(context, "write_nowait", None)  # our caller's session
+        if relay_directly is not None and write_nowait is not None:
+
+            def relay_chunk(response: pb.GenerateResponse) -> bool:
+                """Token chunks are relayed as they arrive, without waking this task for each."""
+                nonlocal arrived_s
+                if not response.HasField("chunk"):
+                    return False
+                progress.on_response(response, worker.worker_id)  # a chunk: counted, never WorkerLost
+                if response.chunk.token_ids:
+                    arrived_s = self._record_tokens(placement, len(response.chunk.token_ids), arrived_s)
+                write_nowait(response)
+                return True
+
+            relay_directly(relay_chunk)
         try:
             async for response in call:
                 response = progress.on_response(response, worker.worker_id)  # raises WorkerLost
@@ -167,6 +183,8 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
             telemetry.on_response(error)
             await context.write(error)
         finally:
+            if relay_directly is not None:
+                relay_directly(None)
             # No-op when the stream ended; when our caller went away this cancels the worker call, which
             # aborts the request in its engine.
             call.cancel()
