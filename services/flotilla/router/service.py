@@ -152,29 +152,31 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         call = open_generate(
             plan, forwarded, timeout=_timeout(request.deadline_unix_s), metadata=telemetry.outgoing_metadata()
         )
+
+        def account(response: pb.GenerateResponse) -> pb.GenerateResponse:
+            """Progress, outcome and token counts of one relayed event; raises WorkerLost."""
+            nonlocal arrived_s
+            response = progress.on_response(response, worker.worker_id)
+            telemetry.on_response(response)
+            if response.chunk.token_ids:
+                arrived_s = self._record_tokens(placement, len(response.chunk.token_ids), arrived_s)
+            return response
+
         relay_directly = getattr(call, "relay_directly", None)  # a worker session's stream
         write_nowait = getattr(context, "write_nowait", None)  # our caller's session
         if relay_directly is not None and write_nowait is not None:
 
             def relay_chunk(response: pb.GenerateResponse) -> bool:
-                """Token chunks are relayed as they arrive, without waking this task for each."""
-                nonlocal arrived_s
+                """Token chunks (never WorkerLost) are relayed as they arrive, without waking this task."""
                 if not response.HasField("chunk"):
                     return False
-                progress.on_response(response, worker.worker_id)  # a chunk: counted, never WorkerLost
-                if response.chunk.token_ids:
-                    arrived_s = self._record_tokens(placement, len(response.chunk.token_ids), arrived_s)
-                write_nowait(response)
+                write_nowait(account(response))
                 return True
 
             relay_directly(relay_chunk)
         try:
             async for response in call:
-                response = progress.on_response(response, worker.worker_id)  # raises WorkerLost
-                telemetry.on_response(response)
-                if response.chunk.token_ids:
-                    arrived_s = self._record_tokens(placement, len(response.chunk.token_ids), arrived_s)
-                await context.write(response)
+                await context.write(account(response))
             if not progress.has_result:
                 raise progress.ended_without_result(worker.worker_id)
         except grpc.aio.AioRpcError as exc:

@@ -32,7 +32,8 @@ async def serve(
     if stop is None:
         stop = asyncio.Event()
         stop_on_signals(stop)
-    engine = AsyncEngine(engine_factory or (lambda: LLMEngine(config.engine)), stream_interval_s=config.stream_interval_s)
+    engine = AsyncEngine(engine_factory or (lambda: LLMEngine(config.engine)),
+                         stream_interval_s=config.stream_interval_s)
     await engine.start()
     worker_id = config.resolved_worker_id()
     model = model_info(engine, config.resolved_model_name())
