@@ -11,7 +11,8 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -113,22 +114,9 @@ async def send(client: aiohttp.ClientSession, endpoint: Endpoint, spec: RequestS
 
 
 async def _read_stream(response: aiohttp.ClientResponse, result: RequestResult, sent: float, start: float) -> None:
-    # Whatever bytes have arrived are split into events here (reading line by line costs the client about a
-    # third more CPU per event, and the client shares the machine with the server under test).
-    num_chunks, last, pending = 0, None, b""
-    async for data in response.content.iter_any():
-        pending += data
-        if b"\r" in pending:  # servers may end lines with \r\n (one may be split across two reads)
-            pending = pending.replace(b"\r\n", b"\n")
-        *blocks, pending = pending.split(b"\n\n")
-        for block in blocks:
-            payload = _data_of(block)
-            if payload is None:
-                continue  # a comment (ping) or an event without data
-            if payload == b"[DONE]":
-                result.e2e_s = time.perf_counter() - sent
-                _finish(result, num_chunks)
-                return
+    num_chunks, last = 0, None
+    async with aclosing(_sse_data(response)) as payloads:
+        async for payload in payloads:
             event = json.loads(payload)
             if event.get("error"):
                 result.error = "stream_error"
@@ -146,15 +134,29 @@ async def _read_stream(response: aiohttp.ClientResponse, result: RequestResult, 
                 num_chunks += 1
                 result.chunk_times_s.append(now - start)
     result.e2e_s = time.perf_counter() - sent
-    _finish(result, num_chunks)
+    result.output_tokens = result.output_tokens or num_chunks  # without usage: one token per chunk
+    result.ok = result.ttft_s is not None or result.output_tokens == 0
+
+
+async def _sse_data(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The data of each SSE event as it arrives, until `[DONE]`; comments (pings) and events without data are
+    skipped. Whatever bytes have arrived are split into events here: reading line by line costs the client
+    about a third more CPU per event, and the client shares the machine with the server under test."""
+    pending = b""
+    async for data in response.content.iter_any():
+        pending += data
+        if b"\r" in pending:  # servers may end lines with \r\n (one may be split across two reads)
+            pending = pending.replace(b"\r\n", b"\n")
+        *blocks, pending = pending.split(b"\n\n")
+        for block in blocks:
+            payload = _data_of(block)
+            if payload == b"[DONE]":
+                return
+            if payload is not None:
+                yield payload
 
 
 def _data_of(block: bytes) -> bytes | None:
     """The data of one SSE event block (its `data:` lines joined), None if it has none."""
     lines = [line[5:].strip() for line in block.split(b"\n") if line.startswith(b"data:")]
     return b"\n".join(lines) if lines else None
-
-
-def _finish(result: RequestResult, num_chunks: int) -> None:
-    result.output_tokens = result.output_tokens or num_chunks  # without usage: one token per chunk
-    result.ok = result.ttft_s is not None or result.output_tokens == 0
