@@ -82,6 +82,23 @@ async def test_most_headroom_wins_and_placements_count_until_the_next_report():
     assert {first, second} == {"a", "b"}  # the first placement made `first` look busier
 
 
+async def test_a_retry_avoids_the_worker_it_was_lost_on_while_another_serves_the_model():
+    registry, admission, _ = make(max_requests=1)
+    register(registry, "lost")  # most headroom: an unavoided request goes here
+    register(registry, "other", queued=50)
+    assert (await admission.acquire("tiny", 5, avoid=frozenset({"lost"}))).worker.worker_id == "other"
+    # The other worker is full now: the retry waits for it rather than going back to the lost one...
+    retry = asyncio.create_task(admission.acquire("tiny", 5, avoid=frozenset({"lost"})))
+    await asyncio.sleep(0)
+    assert admission.queue_depth("tiny") == 1
+    registry.release(registry.get("other"))
+    admission.dispatch()
+    assert (await retry).worker.worker_id == "other"
+    # ... unless the lost worker is the only one serving the model (a restarted worker, a transient error).
+    registry.deregister("other")
+    assert (await admission.acquire("tiny", 5, avoid=frozenset({"lost"}))).worker.worker_id == "lost"
+
+
 async def test_busy_workers_queue_then_a_heartbeat_dispatches_in_order():
     registry, admission, _ = make(max_requests=1)
     register(registry, "w1")

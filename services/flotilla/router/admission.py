@@ -72,6 +72,7 @@ class _Waiter:
     cost: int = 0
     weight: int = 1
     deadline_unix_s: float = 0.0
+    avoid: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -148,8 +149,9 @@ class Admission:
         return estimated_wait_s(ahead, self.throughput.tokens_per_s(e.worker_id for e in workers))
 
     async def acquire(self, requested: str, num_prompt_tokens: int, deadline_unix_s: float = 0.0,
-                      ticket: Ticket | None = None) -> Placement:
-        """A worker for this request, now or after queueing; raises RouterError."""
+                      ticket: Ticket | None = None, avoid: frozenset[str] = frozenset()) -> Placement:
+        """A worker for this request, now or after queueing; raises RouterError. `avoid`: workers a retried
+        request was lost on, used only while no other healthy worker serves its model version."""
         ticket = ticket or Ticket(num_tokens=num_prompt_tokens)
         resolution = self.resolve(requested)
         queues = self._queues.setdefault(resolution.name, _ModelQueues())
@@ -157,7 +159,7 @@ class Admission:
         # A tenant with nothing in flight starts at once (within the extra slots) even past its own class's
         # queue, never past a class served before its own.
         if not (queues.has_waiters_before(ticket.priority) if idle else queues.has_waiters_ahead(ticket.priority)):
-            placement = self._try_place(requested, num_prompt_tokens, ticket.tenant)
+            placement = self._try_place(requested, num_prompt_tokens, ticket.tenant, avoid)
             if placement is not None:
                 return placement
         self._check_wait_budget(resolution.name, ticket)
@@ -166,7 +168,7 @@ class Admission:
             raise RouterError(pb.ERROR_CODE_OVERLOADED, f"queue for {resolution.name!r} is full",
                               retry_after_s=self._retry_after(resolution.name, ticket))
         waiter = _Waiter(requested, num_prompt_tokens, asyncio.get_running_loop().create_future(), ticket.tenant,
-                         max(ticket.num_tokens, num_prompt_tokens, 1), ticket.weight, deadline_unix_s)
+                         max(ticket.num_tokens, num_prompt_tokens, 1), ticket.weight, deadline_unix_s, avoid)
         queue.push(waiter)
         try:
             await asyncio.wait([waiter.future], timeout=self._wait_budget(deadline_unix_s))
@@ -220,7 +222,7 @@ class Admission:
                                                         "the request's deadline passed while it was queued"))
                 continue
             try:
-                placement = self._try_place(waiter.requested, waiter.num_prompt_tokens, waiter.tenant)
+                placement = self._try_place(waiter.requested, waiter.num_prompt_tokens, waiter.tenant, waiter.avoid)
             except RouterError as exc:  # its version went away while it waited
                 queue.pop()
                 waiter.future.set_exception(exc)
@@ -234,11 +236,15 @@ class Admission:
     def _is_idle(self, name: str, tenant: str) -> bool:
         return self._registry.num_assigned_to_tenant(name, tenant) == 0
 
-    def _try_place(self, requested: str, num_prompt_tokens: int, tenant: str = "") -> Placement | None:
+    def _try_place(self, requested: str, num_prompt_tokens: int, tenant: str = "",
+                   avoid: frozenset[str] = frozenset()) -> Placement | None:
         resolution = self.resolve(requested)
         if resolution.version is None:
             return None
-        workers = {e.worker_id: e for e in self._registry.healthy_workers(resolution.name, resolution.version)}
+        healthy = self._registry.healthy_workers(resolution.name, resolution.version)
+        # A worker that just failed this request may still look healthy (a kill -9 can read as INTERNAL,
+        # not UNAVAILABLE, and its heartbeats are not overdue yet): retry elsewhere while there is an elsewhere.
+        workers = {e.worker_id: e for e in ([e for e in healthy if e.worker_id not in avoid] or healthy)}
         loads = [self._registry.load_of(e) for e in workers.values()]
         chosen = choose_worker(loads, num_prompt_tokens, self._limits, self._is_idle(resolution.name, tenant))
         if chosen is None:

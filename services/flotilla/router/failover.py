@@ -52,6 +52,7 @@ class StreamProgress:
     num_attempts: int = 0
     model_version: str = ""
     lost: list[str] = field(default_factory=list)  # why earlier attempts ended
+    lost_workers: list[str] = field(default_factory=list)  # where they ran: the next attempt goes elsewhere if it can
     has_result: bool = False  # a Finished or Error event was relayed
 
     @property

@@ -103,6 +103,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         if lost.unreachable:
             self._registry.mark_failed(lost.worker_id)
         progress.lost.append(str(lost))
+        progress.lost_workers.append(lost.worker_id)
         logger.warning("request %s lost %s after %d tokens (attempt %d of %d)", progress.request.request_id, lost,
                        progress.num_delivered, progress.num_attempts, progress.max_attempts)
         if progress.is_complete:
@@ -115,7 +116,8 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         try:
             return await self._admission.acquire(placement.resolution.qualified,
                                                  len(request.prompt_token_ids) + progress.num_delivered,
-                                                 request.deadline_unix_s, Ticket.of(request))
+                                                 request.deadline_unix_s, Ticket.of(request),
+                                                 avoid=frozenset(progress.lost_workers))
         except RouterError as exc:
             # Its version may be gone with its last worker: still "retry later" for the caller, not a 404.
             code = pb.ERROR_CODE_UNAVAILABLE if exc.code == pb.ERROR_CODE_MODEL_NOT_FOUND else exc.code
@@ -143,11 +145,14 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
     ) -> None:
         progress = progress or StreamProgress(request)
         forwarded = progress.next_request(placement.resolution.qualified)
-        if forwarded.num_previous_output_tokens:  # a resumed stream: prefilled where it continues (its seeds)
+        # A resumed stream is prefilled where it continues (its seeds); a retry runs where admission put it,
+        # away from the worker it was lost on.
+        if forwarded.num_previous_output_tokens or progress.num_attempts > 1:
             plan = Plan(placement.worker, None)
         else:
             plan = self._disagg.plan(placement.worker, forwarded)  # decode worker by prefix affinity; prefill worker
         worker = plan.decode
+        telemetry.running_on(worker.worker_id)
         worker.num_inflight += 1
         call = open_generate(
             plan, forwarded, timeout=_timeout(request.deadline_unix_s), metadata=telemetry.outgoing_metadata()

@@ -41,12 +41,16 @@ class RouterRequestTelemetry:
         metrics.queue_depth.labels(self._model, self._class).inc()
 
     def placed(self, placement: Placement) -> None:
-        self._worker_id = placement.worker.worker_id
+        self.running_on(placement.worker.worker_id)
         self._end_queue_wait()
         self._placed = True
         self._metrics.inflight.labels(self._model).inc()
         self._metrics.queue_wait.labels(self._model, self._class).observe(self._queue_wait_s)
-        self.span.set_attribute("flotilla.worker_id", self._worker_id)
+
+    def running_on(self, worker_id: str) -> None:
+        """The worker the stream runs on: the plan may move it off admission's choice; failover moves it."""
+        self._worker_id = worker_id
+        self.span.set_attribute("flotilla.worker_id", worker_id)
 
     def failed(self, code: int) -> None:
         self._end_queue_wait()
