@@ -1,8 +1,9 @@
 """The serving path's cost: the same streamed chat workload through the whole fleet (gateway -> router ->
 worker, real processes on loopback) and through the engine offline (LLMEngine.generate on the same prompt
-tokens), in one run; optionally vLLM's OpenAI server on the same checkpoint too. Exact output lengths
-(ignore_eos) so every system produces the same tokens. Prints output tok/s of each, the fleet's loss against
-the offline engine, TTFT/TPOT of the streamed runs, and last ONE JSON line.
+tokens, in as many processes with as many threads as the fleet's workers), in one run; optionally vLLM's
+OpenAI server on the same checkpoint too. Exact output lengths (ignore_eos) so every system produces the
+same tokens. Prints output tok/s of each, the fleet's loss against the offline engine, TTFT/TPOT of the
+streamed runs, and last ONE JSON line.
 
   .venv/bin/python loadtest/bench_fleet.py --num-prompts 256 --max-concurrency 64
   .venv/bin/python loadtest/bench_fleet.py --size micro --max-concurrency 128 --stream-interval-ms 150
@@ -33,6 +34,7 @@ import httpx  # noqa: E402
 from loadtest.common.checkpoint_cache import ensure_checkpoint  # noqa: E402
 from loadtest.common.cpu_time import cpu_accounting  # noqa: E402
 from loadtest.common.engine_workload import Workload  # noqa: E402
+from loadtest.common.offline_engines import OfflineEngines  # noqa: E402
 from loadtest.common.vllm_baseline import run_vllm, vllm_env  # noqa: E402
 from loadtest.serving.client import Endpoint, run_workload  # noqa: E402
 from loadtest.serving.stats import SLO, summarize  # noqa: E402
@@ -70,25 +72,12 @@ def streamed(base_url: str, model: str, api_key: str, specs, concurrency: int) -
     return summarize(run, SLO(1.0, 0.1))
 
 
-class OfflineEngine:
-    """LLMEngine.generate on the prompts the gateway would build (same chat template), built once."""
+def chat_prompts(model_dir: Path, specs) -> list[list[int]]:
+    """The prompt tokens the gateway builds for each request (same chat template)."""
+    from flotilla.engine.tokenizer import Tokenizer
 
-    def __init__(self, model_dir: Path, specs, concurrency: int):
-        from flotilla.engine.config import EngineConfig
-        from flotilla.engine.engine import LLMEngine
-        from flotilla.engine.sampling_params import SamplingParams
-
-        self.engine = LLMEngine(EngineConfig(model_dir=str(model_dir), max_num_seqs=concurrency, num_kv_blocks=8192))
-        self.prompts = [self.engine.tokenizer.encode_chat(list(spec.messages)) for spec in specs]
-        self.max_tokens = [spec.max_tokens for spec in specs]
-        # Greedy, as the streaming client asks (sampling at temperature > 0 costs more per token).
-        self.params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in self.max_tokens]
-        self.engine.generate(self.prompts[:2], self.params[:2])  # warm-up
-
-    def output_tok_s(self) -> float:
-        started = time.perf_counter()
-        results = self.engine.generate(self.prompts, self.params)
-        return sum(len(r.token_ids) for r in results) / (time.perf_counter() - started)
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    return [tokenizer.encode_chat(list(spec.messages)) for spec in specs]
 
 
 def vllm_server(python: str, model_dir: Path, port: int, log: Path, stream_interval: int) -> subprocess.Popen:
@@ -125,8 +114,10 @@ def main(argv: list[str] | None = None) -> int:
                   "workers": args.workers, "worker_threads": args.worker_threads,
                   "stream_interval_ms": args.stream_interval_ms, "vllm_stream_interval": args.vllm_stream_interval,
                   "loadavg_1m_start": os.getloadavg()[0]}
-    offline = OfflineEngine(model_dir, specs, args.max_concurrency)
-    with tempfile.TemporaryDirectory(prefix="bench-fleet-") as state:
+    prompts, max_tokens = chat_prompts(model_dir, specs), [spec.max_tokens for spec in specs]
+    # The offline engine laid out like the fleet's workers (processes, threads), each with its share.
+    offline = OfflineEngines(model_dir, prompts, max_tokens, args.workers, args.worker_threads, args.max_concurrency)
+    with offline, tempfile.TemporaryDirectory(prefix="bench-fleet-") as state:
         config = FleetConfig(model_dir=model_dir, state_dir=Path(state), model_name=MODEL, num_workers=args.workers,
                              env={"OMP_NUM_THREADS": str(args.worker_threads)} if args.worker_threads else {},
                              worker_args=["--num-kv-blocks", "8192", "--max-num-seqs", str(args.max_concurrency),
@@ -175,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                 server.terminate()
                 server.wait(30)
             # vLLM's own loss, server against offline, on the same prompts and batch bound
-            outcome = run_vllm(args.compare_vllm, str(model_dir), Workload(offline.prompts, offline.max_tokens),
+            outcome = run_vllm(args.compare_vllm, str(model_dir), Workload(prompts, max_tokens),
                                VLLM_THREADS, VLLM_KV_CACHE_GIB, 900, max_num_seqs=args.max_concurrency)
             if outcome.throughput is None:
                 print(f"vLLM offline skipped: {outcome.skipped_reason}")
