@@ -70,6 +70,31 @@ async def test_a_stream_interval_releases_running_tokens_together():
     await engine.shutdown()
 
 
+async def test_direct_delivery_takes_running_outputs_and_leaves_the_last_to_iteration():
+    fake = FakeEngine(step_seconds=0.01)
+    engine = await started(fake)
+    stream = await engine.generate("r1", [1, 2, 3], SamplingParams(max_tokens=6))
+    direct = []
+    stream.deliver_directly(lambda output: direct.append(output) or True)
+    iterated = await collect(stream)
+    tokens = [t for output in direct + iterated for t in output.new_token_ids]
+    assert tokens == [FIRST_TOKEN + i for i in range(6)]  # none lost, none twice, in order
+    assert direct and not any(output.finished for output in direct)
+    assert len(iterated) == 1 and iterated[0].finished  # the end always comes through iteration
+    await engine.shutdown()
+
+
+async def test_a_failing_direct_handler_falls_back_to_iteration_without_losing_an_output():
+    fake = FakeEngine(step_seconds=0.01)
+    engine = await started(fake)
+    stream = await engine.generate("r1", [1, 2, 3], SamplingParams(max_tokens=6))
+    stream.deliver_directly(lambda output: 1 / 0)
+    outputs = await collect(stream)
+    assert [t for output in outputs for t in output.new_token_ids] == [FIRST_TOKEN + i for i in range(6)]
+    assert outputs[-1].finished
+    await engine.shutdown()
+
+
 async def test_validation_errors_raise_in_the_caller():
     fake = FakeEngine(max_model_len=10)
     engine = await started(fake)

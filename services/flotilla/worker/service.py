@@ -80,6 +80,18 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
         # below; closing the stream then aborts the request in the engine.
         telemetry = telemetry or self.telemetry(request.request_id, context)
         outcome = "cancelled"  # unless the stream ends or fails below
+        write_nowait = getattr(context, "write_nowait", None)  # a session's stream (rpc/session_server.py)
+        if write_nowait is not None:
+
+            def relay_tokens(output: RequestOutput) -> bool:
+                """Token chunks leave as the engine delivers them, without waking this task per token."""
+                telemetry.on_output(output)
+                chunk = chunk_response(output, self.worker_id)
+                if chunk is not None:
+                    write_nowait(chunk)
+                return True
+
+            stream.deliver_directly(relay_tokens)
         try:
             async for output in stream:
                 telemetry.on_output(output)
