@@ -9,6 +9,7 @@ streamed runs, and last ONE JSON line.
   .venv/bin/python loadtest/bench_fleet.py --size micro --max-concurrency 128 --stream-interval-ms 150
   .venv/bin/python loadtest/bench_fleet.py --workers 2 --worker-threads 1   # one single-threaded worker per core
   .venv/bin/python loadtest/bench_fleet.py --compare-vllm ~/vllm-cpu/.venv/bin/python
+  .venv/bin/python loadtest/bench_fleet.py --worker-threads 1 --engine-cores 1   # the path on a core of its own
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ if __package__ in (None, ""):  # run as a file: make `loadtest.*` importable
 import httpx  # noqa: E402
 
 from loadtest.common.checkpoint_cache import ensure_checkpoint  # noqa: E402
+from loadtest.common.cpu_pinning import pin_process, split_cores  # noqa: E402
 from loadtest.common.cpu_time import cpu_accounting  # noqa: E402
 from loadtest.common.engine_workload import Workload  # noqa: E402
 from loadtest.common.offline_engines import OfflineEngines  # noqa: E402
@@ -62,8 +64,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker-threads", type=int, default=0,
                    help="OpenMP/torch threads per worker (0: torch's default, one per core); e.g. --workers 2 "
                         "--worker-threads 1 runs one single-threaded worker per core")
+    p.add_argument("--engine-cores", type=int, default=0,
+                   help="pin the workers and the offline engines to this many cores and the gateway, router and "
+                        "benchmark client to the others, as in a deployment where the path has CPUs of its own "
+                        "(0: no pinning, everything shares every core)")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.engine_cores and args.compare_vllm:
+        p.error("--engine-cores does not pin vLLM's server: run --compare-vllm without it")
+    return args
 
 
 def streamed(base_url: str, model: str, api_key: str, specs, concurrency: int) -> dict:
@@ -117,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     prompts, max_tokens = chat_prompts(model_dir, specs), [spec.max_tokens for spec in specs]
     # The offline engine laid out like the fleet's workers (processes, threads), each with its share.
     offline = OfflineEngines(model_dir, prompts, max_tokens, args.workers, args.worker_threads, args.max_concurrency)
+    engine_cores, path_cores = split_cores(args.engine_cores) if args.engine_cores else ([], [])
+    line["engine_cores"], line["path_cores"] = engine_cores, path_cores
+    for pid in offline.pids if engine_cores else ():
+        pin_process(pid, engine_cores)
     with offline, tempfile.TemporaryDirectory(prefix="bench-fleet-") as state:
         config = FleetConfig(model_dir=model_dir, state_dir=Path(state), model_name=MODEL, num_workers=args.workers,
                              env={"OMP_NUM_THREADS": str(args.worker_threads)} if args.worker_threads else {},
@@ -127,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         with LocalFleet(config) as fleet:
             streamed(fleet.gateway_url + "/v1", MODEL, "none", specs[:4], 4)  # warm-up
             pids = {service.name: service.pid for service in fleet.services()}
+            if engine_cores:
+                for name, pid in pids.items():
+                    pin_process(pid, engine_cores if name.startswith("worker") else path_cores)
+                pin_process(os.getpid(), path_cores)  # the benchmark client
             # Rounds alternate fleet and offline so that a slow spell of a shared machine hits both alike.
             for round_index in range(args.rounds):
                 with cpu_accounting(pids, {}) as cpu_s:

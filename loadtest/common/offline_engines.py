@@ -43,6 +43,10 @@ class OfflineEngines:
                 self.close()
                 raise RuntimeError("an offline engine process failed to start")
 
+    @property
+    def pids(self) -> list[int]:
+        return [child.pid for child in self._children]
+
     def output_tok_s(self) -> float:
         return self.round()[0]
 
