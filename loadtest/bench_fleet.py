@@ -128,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     offline = OfflineEngines(model_dir, prompts, max_tokens, args.workers, args.worker_threads, args.max_concurrency)
     engine_cores, path_cores = split_cores(args.engine_cores) if args.engine_cores else ([], [])
     line["engine_cores"], line["path_cores"] = engine_cores, path_cores
-    for pid in offline.pids if engine_cores else ():
-        pin_process(pid, engine_cores)
+    if engine_cores:
+        for pid in offline.pids:
+            pin_process(pid, engine_cores)
     with offline, tempfile.TemporaryDirectory(prefix="bench-fleet-") as state:
         config = FleetConfig(model_dir=model_dir, state_dir=Path(state), model_name=MODEL, num_workers=args.workers,
                              env={"OMP_NUM_THREADS": str(args.worker_threads)} if args.worker_threads else {},
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                 with cpu_accounting(pids, {}) as cpu_s:
                     summary = streamed(fleet.gateway_url + "/v1", MODEL, "none", specs, args.max_concurrency)
                 fleet_runs.append((summary, cpu_s))
-                offline_runs.append(offline.output_tok_s())
+                offline_runs.append(offline.round()[0])
                 print(f"round {round_index + 1}: fleet {summary['output_tok_s']:.1f} output tok/s, "
                       f"offline engine {offline_runs[-1]:.1f}")
         fleet_summary, cpu_s = sorted(fleet_runs, key=lambda run: run[0]["output_tok_s"])[len(fleet_runs) // 2]

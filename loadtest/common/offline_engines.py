@@ -47,9 +47,6 @@ class OfflineEngines:
     def pids(self) -> list[int]:
         return [child.pid for child in self._children]
 
-    def output_tok_s(self) -> float:
-        return self.round()[0]
-
     def round(self) -> tuple[float, int]:
         """One generate() of every share, started together: (output tok/s over the span, output tokens)."""
         for child in self._children:

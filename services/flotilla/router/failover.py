@@ -51,13 +51,17 @@ class StreamProgress:
     delivered_token_ids: list[int] = field(default_factory=list)
     num_attempts: int = 0
     model_version: str = ""
-    lost: list[str] = field(default_factory=list)  # why earlier attempts ended
-    lost_workers: list[str] = field(default_factory=list)  # where they ran: the next attempt goes elsewhere if it can
+    lost: list[WorkerLost] = field(default_factory=list)  # how earlier attempts ended, and where
     has_result: bool = False  # a Finished or Error event was relayed
 
     @property
     def num_delivered(self) -> int:
         return len(self.delivered_token_ids)
+
+    @property
+    def lost_worker_ids(self) -> frozenset[str]:
+        """Where earlier attempts were lost: the next one goes elsewhere while it can."""
+        return frozenset(lost.worker_id for lost in self.lost)
 
     @property
     def can_retry(self) -> bool:
@@ -114,7 +118,7 @@ class StreamProgress:
         return response
 
     def exhausted_response(self) -> pb.GenerateResponse:
-        reasons = "; ".join(self.lost[-self.max_attempts:])
+        reasons = "; ".join(str(lost) for lost in self.lost[-self.max_attempts:])
         response = error_response(pb.ERROR_CODE_UNAVAILABLE,
                                   f"no worker could finish the request after {self.num_attempts} attempts ({reasons}); "
                                   "retry")

@@ -102,8 +102,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         """Place the request again (same model version); None when the caller got its last event instead."""
         if lost.unreachable:
             self._registry.mark_failed(lost.worker_id)
-        progress.lost.append(str(lost))
-        progress.lost_workers.append(lost.worker_id)
+        progress.lost.append(lost)
         logger.warning("request %s lost %s after %d tokens (attempt %d of %d)", progress.request.request_id, lost,
                        progress.num_delivered, progress.num_attempts, progress.max_attempts)
         if progress.is_complete:
@@ -117,7 +116,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
             return await self._admission.acquire(placement.resolution.qualified,
                                                  len(request.prompt_token_ids) + progress.num_delivered,
                                                  request.deadline_unix_s, Ticket.of(request),
-                                                 avoid=frozenset(progress.lost_workers))
+                                                 avoid=progress.lost_worker_ids)
         except RouterError as exc:
             # Its version may be gone with its last worker: still "retry later" for the caller, not a 404.
             code = pb.ERROR_CODE_UNAVAILABLE if exc.code == pb.ERROR_CODE_MODEL_NOT_FOUND else exc.code
