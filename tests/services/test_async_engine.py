@@ -84,6 +84,20 @@ async def test_direct_delivery_takes_running_outputs_and_leaves_the_last_to_iter
     await engine.shutdown()
 
 
+async def test_direct_delivery_never_overtakes_an_output_the_consumer_still_holds():
+    fake = FakeEngine(step_seconds=0.01)
+    engine = await started(fake)
+    stream = await engine.generate("r1", [1, 2, 3], SamplingParams(max_tokens=12))
+    await asyncio.sleep(0.025)  # outputs queue before the relay sets its handler (a worker's first ones can)
+    sink = []  # where a relay's writes land, direct and iterated alike
+    stream.deliver_directly(lambda output: sink.append(output) or True)
+    async for output in stream:
+        await asyncio.sleep(0.03)  # the consumer holds this output for a few steps before writing it
+        sink.append(output)
+    assert [t for output in sink for t in output.new_token_ids] == [FIRST_TOKEN + i for i in range(12)]
+    await engine.shutdown()
+
+
 async def test_a_failing_direct_handler_falls_back_to_iteration_without_losing_an_output():
     fake = FakeEngine(step_seconds=0.01)
     engine = await started(fake)

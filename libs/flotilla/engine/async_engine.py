@@ -380,15 +380,18 @@ class RequestStream:
         self._num_cached_prompt_tokens = 0
         self._num_output_tokens = 0
         self._direct: Callable[[RequestOutput], bool] | None = None
+        # Direct delivery only while the consumer waits with nothing in hand: an output it is still handling
+        # must reach the handler's destination first.
+        self._consumer_waiting = False
 
     @property
     def finished(self) -> bool:
         return self._done
 
     def deliver_directly(self, handler: Callable[[RequestOutput], bool] | None) -> None:
-        """While set, an output that arrives with nothing queued before it and does not end the request goes
-        to `handler` at once, on the loop, instead of waking the consumer: no task switch per token for a
-        relay. The handler returns False for an output it leaves to iteration (read then in order); the
+        """While set, an output that arrives while the consumer waits for one (nothing queued, nothing in its
+        hands) and does not end the request goes to `handler` at once, on the loop, instead of waking the
+        consumer: no task switch per token for a relay. The handler returns False for an output it leaves to iteration (read then in order); the
         last output, aborts and errors always go to iteration; a raising handler falls back to iteration."""
         self._direct = handler
 
@@ -398,11 +401,14 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
+        self._consumer_waiting = True
         try:
             first = await self._queue.get()
         except asyncio.CancelledError:
             self.close()  # the consumer went away: abort in the engine
             raise
+        finally:
+            self._consumer_waiting = False
         items = [first]
         while not self._queue.empty():
             items.append(self._queue.get_nowait())
@@ -426,8 +432,8 @@ class RequestStream:
         self.close()
 
     def _push(self, item: Any) -> None:
-        if (self._direct is not None and not self._done and self._queue.empty() and isinstance(item, RequestOutput)
-                and not item.finished and self._handled_directly(item)):
+        if (self._direct is not None and self._consumer_waiting and not self._done and self._queue.empty()
+                and isinstance(item, RequestOutput) and not item.finished and self._handled_directly(item)):
             self._num_cached_prompt_tokens = item.num_cached_prompt_tokens
             self._num_output_tokens = item.num_output_tokens
             return

@@ -47,14 +47,14 @@ class SessionStream:
                                 else asyncio.get_running_loop().call_at(deadline, self._deadline_passed))
 
     def relay_directly(self, handler: DirectHandler | None) -> None:
-        """While set, a response that arrives with nothing queued before it goes to `handler` at once, in the
-        session's reader: no task switch per event for a relay. The handler returns False for a response it
+        """While set, a response that arrives while the stream's reader waits for one (nothing queued, nothing
+        in its hands) goes to `handler` at once, in the session's reader: no task switch per event for a relay. The handler returns False for a response it
         leaves to iteration (which then reads it in order); ends and errors always go to iteration."""
         self._direct = handler
 
     def deliver(self, event: pb.SessionEvent | grpc.aio.AioRpcError) -> None:
-        if (self._direct is not None and not self._events and isinstance(event, pb.SessionEvent)
-                and not event.end and self._handled_directly(event.response)):
+        if (self._direct is not None and self._waiter is not None and not self._events
+                and isinstance(event, pb.SessionEvent) and not event.end and self._handled_directly(event.response)):
             return
         self._events.append(event)
         if self._waiter is not None and not self._waiter.done():
