@@ -391,8 +391,9 @@ class RequestStream:
     def deliver_directly(self, handler: Callable[[RequestOutput], bool] | None) -> None:
         """While set, an output that arrives while the consumer waits for one (nothing queued, nothing in its
         hands) and does not end the request goes to `handler` at once, on the loop, instead of waking the
-        consumer: no task switch per token for a relay. The handler returns False for an output it leaves to iteration (read then in order); the
-        last output, aborts and errors always go to iteration; a raising handler falls back to iteration."""
+        consumer: no task switch per token for a relay. The handler returns False for an output it leaves to
+        iteration (read then in order); the last output, aborts and errors always go to iteration; a raising
+        handler falls back to iteration."""
         self._direct = handler
 
     def __aiter__(self) -> RequestStream:

@@ -48,8 +48,9 @@ class SessionStream:
 
     def relay_directly(self, handler: DirectHandler | None) -> None:
         """While set, a response that arrives while the stream's reader waits for one (nothing queued, nothing
-        in its hands) goes to `handler` at once, in the session's reader: no task switch per event for a relay. The handler returns False for a response it
-        leaves to iteration (which then reads it in order); ends and errors always go to iteration."""
+        in its hands) goes to `handler` at once, in the session's reader: no task switch per event for a
+        relay. The handler returns False for a response it leaves to iteration (which then reads it in order);
+        ends and errors always go to iteration."""
         self._direct = handler
 
     def deliver(self, event: pb.SessionEvent | grpc.aio.AioRpcError) -> None:

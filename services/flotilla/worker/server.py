@@ -76,6 +76,7 @@ def _router_link(
         role=role_proto(config.disagg),
         model=model,
     )
-    link = RouterLink(config.router_address, info, lambda: kv.decorate(current_load(engine)), config.heartbeat_interval_s)
+    link = RouterLink(config.router_address, info, lambda: kv.decorate(current_load(engine)),
+                      config.heartbeat_interval_s)
     link.start()
     return link
