@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 from starlette.requests import Request
+from starlette.types import Receive
 
 from flotilla.api.common.v1 import common_pb2 as common
 from flotilla.engine.errors import ContextLengthError, InvalidRequestError
@@ -204,7 +205,7 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     client went away, and the router call inside `work` must be cancelled so the engine stops.
     """
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    watcher = asyncio.ensure_future(wait_for_disconnect(request.receive))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -217,6 +218,7 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
+async def wait_for_disconnect(receive: Receive) -> None:
+    """Returns once the client has gone (reading, and dropping, whatever else arrives meanwhile)."""
+    while (await receive())["type"] != "http.disconnect":
         pass

@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flotilla.gateway.dialects import dialect_for_path, error_response
 from flotilla.gateway.errors import ErrorKind, GatewayError
+from flotilla.gateway.generation import wait_for_disconnect
 from flotilla.gateway.idempotency import GENERATION_PATHS
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,7 @@ class ResumableStreamMiddleware:
         if stream.expiry is not None:
             stream.expiry.cancel()
             stream.expiry = None
-        gone = asyncio.create_task(_disconnected(receive))
+        gone = asyncio.create_task(wait_for_disconnect(receive))
         try:
             await stream.started.wait()
             headers = stream.headers
@@ -217,11 +218,6 @@ async def _read_body(receive: Receive) -> bytes:
         body += message.get("body", b"")
         if not message.get("more_body", False):
             return body
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _not_found(scope: Scope, send: Send, stream_id: str) -> None:

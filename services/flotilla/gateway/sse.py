@@ -18,7 +18,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from flotilla.api.common.v1 import common_pb2 as common
-from flotilla.gateway.generation import Outcome, next_event, until_disconnected
+from flotilla.gateway.generation import Outcome, next_event, until_disconnected, wait_for_disconnect
 
 Events = AsyncIterator[common.TokenChunk | Outcome]
 PING_INTERVAL_S = 15.0
@@ -66,7 +66,7 @@ class SSEResponse(Response):
         loop = asyncio.get_running_loop()
         self._last_send = loop.time()
         pump = asyncio.ensure_future(self._pump(send))
-        watcher = asyncio.ensure_future(_until_disconnect(receive))
+        watcher = asyncio.ensure_future(wait_for_disconnect(receive))
         pinger = asyncio.ensure_future(self._ping_while_idle(send))
         try:
             await asyncio.wait({pump, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -96,8 +96,3 @@ class SSEResponse(Response):
                 await send({"type": "http.response.body", "body": self.ping, "more_body": True})
                 idle_s = 0.0
             await asyncio.sleep(self.ping_interval_s - idle_s)
-
-
-async def _until_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
