@@ -123,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
                   "workers": args.workers, "worker_threads": args.worker_threads,
                   "stream_interval_ms": args.stream_interval_ms, "vllm_stream_interval": args.vllm_stream_interval,
                   "loadavg_1m_start": os.getloadavg()[0]}
-    prompts, max_tokens = chat_prompts(model_dir, specs), [spec.max_tokens for spec in specs]
+    workload = Workload(chat_prompts(model_dir, specs), [spec.max_tokens for spec in specs])
     # The offline engine laid out like the fleet's workers (processes, threads), each with its share.
-    offline = OfflineEngines(model_dir, prompts, max_tokens, args.workers, args.worker_threads, args.max_concurrency)
+    offline = OfflineEngines(model_dir, workload, args.workers, args.worker_threads, args.max_concurrency)
     engine_cores, path_cores = split_cores(args.engine_cores) if args.engine_cores else ([], [])
     line["engine_cores"], line["path_cores"] = engine_cores, path_cores
     if engine_cores:
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                 server.terminate()
                 server.wait(30)
             # vLLM's own loss, server against offline, on the same prompts and batch bound
-            outcome = run_vllm(args.compare_vllm, str(model_dir), Workload(prompts, max_tokens),
+            outcome = run_vllm(args.compare_vllm, str(model_dir), workload,
                                VLLM_THREADS, VLLM_KV_CACHE_GIB, 900, max_num_seqs=args.max_concurrency)
             if outcome.throughput is None:
                 print(f"vLLM offline skipped: {outcome.skipped_reason}")

@@ -18,12 +18,13 @@ import sys
 import time
 from pathlib import Path
 
+from loadtest.common.engine_workload import Workload
+
 _ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 class OfflineEngines:
-    def __init__(self, model_dir: Path, prompts: list[list[int]], max_tokens: list[int], num_processes: int,
-                 threads: int, concurrency: int):
+    def __init__(self, model_dir: Path, workload: Workload, num_processes: int, threads: int, concurrency: int):
         """`threads`: OMP_NUM_THREADS per process (0: torch's default)."""
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])))
         if threads:
@@ -32,8 +33,8 @@ class OfflineEngines:
         for part in range(num_processes):
             child = subprocess.Popen([sys.executable, "-m", "loadtest.common.offline_engines"], env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-            share = {"model_dir": str(model_dir), "prompts": prompts[part::num_processes],
-                     "max_tokens": max_tokens[part::num_processes],
+            mine = workload.subset(list(range(part, workload.num_requests, num_processes)))
+            share = {"model_dir": str(model_dir), "prompts": mine.prompts, "max_tokens": mine.max_tokens,
                      "max_num_seqs": max(1, concurrency // num_processes)}
             child.stdin.write(json.dumps(share) + "\n")
             child.stdin.flush()
