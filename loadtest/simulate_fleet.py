@@ -1,4 +1,4 @@
-"""Trace-driven simulation of a large fleet under the real control law (flotilla.autoscaler.control).
+"""Trace-driven simulation of a large fleet under the real control law (flotilla.autoscaling.control).
 
 Planning past this machine: hundreds of replicas, cold starts of minutes, the measured per-replica token
 throughput as input. A trace of request cohorts (one per second: Poisson count, lognormal prompt and output
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flotilla.autoscaler.control import ScalerState, decide
-from flotilla.autoscaler.policy import PoolPolicy
-from flotilla.autoscaler.signals import PoolSignals
+from flotilla.autoscaling.control import ScalerState, decide
+from flotilla.autoscaling.policy import PoolPolicy
+from flotilla.autoscaling.signals import PoolSignals
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from flotilla.autoscaler.control import ScalerState, decide, demand, prefill_decode_ratio, prefill_replicas_for
-from flotilla.autoscaler.policy import PoolPolicy, RoleThroughput
-from flotilla.autoscaler.signals import PoolSignals, TokenMix
+from flotilla.autoscaling.control import ScalerState, decide, demand, prefill_decode_ratio, prefill_replicas_for
+from flotilla.autoscaling.policy import PoolPolicy, RoleThroughput
+from flotilla.autoscaling.signals import PoolSignals, TokenMix
 
 POLICY = PoolPolicy(
     min_replicas=1, max_replicas=8, warm_replicas=2, target_queued_tokens_per_replica=1000,

@@ -16,9 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.router.v1 import router_pb2_grpc
-from flotilla.autoscaler.policy import PoolPolicy
+from flotilla.autoscaling.policy import PoolPolicy
 from flotilla.fleet.local import FleetConfig, LocalFleet
-from flotilla.gateway.keys import KeyEntry, generate_key, hash_key, write_keys_file
+from flotilla.tenancy.keys import KeyEntry, generate_key, hash_key, write_keys_file
 
 MODEL = "flotilla-tiny"
 BASELINE = 4  # concurrent requests one worker takes (the router's per-worker request cap)

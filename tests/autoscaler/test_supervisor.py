@@ -7,8 +7,8 @@ from prometheus_client import CollectorRegistry
 
 from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.router.v1 import router_pb2 as rpb
-from flotilla.autoscaler.policy import PoolPolicy
-from flotilla.autoscaler.signals import PoolSignals
+from flotilla.autoscaling.policy import PoolPolicy
+from flotilla.autoscaling.signals import PoolSignals
 from flotilla.autoscaler.supervisor import LocalSupervisor, SupervisorConfig
 from flotilla.observability.autoscaler import AutoscalerMetrics
 

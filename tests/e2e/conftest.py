@@ -13,7 +13,7 @@ from flotilla.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.engine import LLMEngine
 from flotilla.fleet.local import FleetConfig, LocalFleet
-from flotilla.gateway.keys import KeyEntry, generate_key, hash_key, write_keys_file
+from flotilla.tenancy.keys import KeyEntry, generate_key, hash_key, write_keys_file
 
 MODEL_NAME = "flotilla-tiny"
 NUM_KV_BLOCKS = 512

@@ -15,7 +15,7 @@ import uvicorn
 
 from flotilla.api.router.v1 import router_pb2_grpc
 from flotilla.gateway.app import create_app
-from flotilla.gateway.keys import KeyEntry, KeyStore, generate_key, hash_key, write_keys_file
+from flotilla.tenancy.keys import KeyEntry, KeyStore, generate_key, hash_key, write_keys_file
 from flotilla.gateway.metrics import GatewayMetrics
 from flotilla.gateway.router_client import RouterClient
 from flotilla.gateway.settings import GatewaySettings

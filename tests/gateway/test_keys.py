@@ -7,7 +7,7 @@ import stat
 import pytest
 
 from flotilla.cli import main as cli_main
-from flotilla.gateway.keys import KeyEntry, KeyStore, generate_key, hash_key, write_keys_file
+from flotilla.tenancy.keys import KeyEntry, KeyStore, generate_key, hash_key, write_keys_file
 
 
 def test_generated_keys_are_distinct_and_prefixed():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from flotilla.fleet.local import FleetConfig, LocalFleet
-from flotilla.gateway.keys import KeyEntry, generate_key, hash_key, write_keys_file
+from flotilla.tenancy.keys import KeyEntry, generate_key, hash_key, write_keys_file
 
 from .otlp_receiver import OTLPReceiver
 

@@ -15,7 +15,7 @@ from flotilla.engine.request import FinishReason
 from flotilla.gateway.telemetry import GatewayRequestTelemetry
 from flotilla.observability.latency import LatencyHistograms, StreamTimer
 from flotilla.observability.propagation import incoming_context
-from flotilla.observability.router_metrics import RouterMetrics
+from flotilla.router.metrics import RouterMetrics
 from flotilla.observability.tracing import setup_tracing
 from flotilla.router.telemetry import RouterRequestTelemetry
 from flotilla.worker.telemetry import RequestTelemetry, WorkerMetrics

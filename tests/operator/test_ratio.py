@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from flotilla.autoscaler.control import ScalerState, decide
-from flotilla.autoscaler.policy import PoolPolicy, RoleThroughput
-from flotilla.autoscaler.signals import PoolSignals, TokenMix
+from flotilla.autoscaling.control import ScalerState, decide
+from flotilla.autoscaling.policy import PoolPolicy, RoleThroughput
+from flotilla.autoscaling.signals import PoolSignals, TokenMix
 from flotilla.operator.ratio import decode_replicas, explain, prefill_floor, total_decode_replicas, with_floor
 
 THROUGHPUT = RoleThroughput(prefill_tokens_per_s=4000.0, decode_tokens_per_s=1000.0)

@@ -15,7 +15,7 @@ import grpc
 import kopf
 from prometheus_client import CollectorRegistry
 
-from flotilla.autoscaler.router_client import RouterClient
+from flotilla.autoscaling.router_client import RouterClient
 from flotilla.observability.autoscaler import AutoscalerMetrics
 from flotilla.observability.exposition import serve_metrics
 from flotilla.operator import manifests

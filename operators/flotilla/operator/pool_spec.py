@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flotilla.api.common.v1 import common_pb2 as pb
-from flotilla.autoscaler.policy import PoolPolicy, RoleThroughput
+from flotilla.autoscaling.policy import PoolPolicy, RoleThroughput
 
 GROUP = "flotilla.dev"
 VERSION = "v1alpha1"

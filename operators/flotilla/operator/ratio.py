@@ -1,5 +1,5 @@
 """The prefill pool's floor, pure: the decode pool's size times the prefill:decode ratio of the measured
-prompt/output token mix (flotilla.autoscaler.control.prefill_replicas_for), clamped to the prefill pool's
+prompt/output token mix (flotilla.autoscaling.control.prefill_replicas_for), clamped to the prefill pool's
 own min/max. The control law then treats the floor as a raised minimum, so a prompt-heavy mix grows the
 prefill pool at once and no scale-down goes below it."""
 
@@ -9,9 +9,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from flotilla.autoscaler.control import Decision, prefill_decode_ratio, prefill_replicas_for
-from flotilla.autoscaler.policy import PoolPolicy, RoleThroughput
-from flotilla.autoscaler.signals import TokenMix
+from flotilla.autoscaling.control import Decision, prefill_decode_ratio, prefill_replicas_for
+from flotilla.autoscaling.policy import PoolPolicy, RoleThroughput
+from flotilla.autoscaling.signals import TokenMix
 
 
 @dataclass(frozen=True)

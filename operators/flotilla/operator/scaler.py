@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flotilla.api.router.v1 import router_pb2 as rpb
-from flotilla.autoscaler.control import NEVER, Decision, ScalerState, decide
-from flotilla.autoscaler.router_client import RouterClient, token_mix
-from flotilla.autoscaler.signals import PoolSignals
+from flotilla.autoscaling.control import NEVER, Decision, ScalerState, decide
+from flotilla.autoscaling.router_client import RouterClient, token_mix
+from flotilla.autoscaling.signals import PoolSignals
 from flotilla.operator.pool_spec import ROLES, PoolSpec
 from flotilla.operator.ratio import explain, prefill_floor, with_floor
 

@@ -1,5 +1,1 @@
-"""Local autoscaling: the control law of flotilla.autoscaler.control run against worker processes."""
-
-from pkgutil import extend_path
-
-__path__ = extend_path(__path__, __name__)
+"""Local autoscaling: the control law of flotilla.autoscaling.control run against worker processes."""

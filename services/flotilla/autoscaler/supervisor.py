@@ -19,9 +19,9 @@ from typing import Protocol
 import grpc
 
 from flotilla.api.router.v1 import router_pb2 as rpb
-from flotilla.autoscaler.control import Decision, ScalerState, decide
-from flotilla.autoscaler.policy import PoolPolicy
-from flotilla.autoscaler.router_client import RouterClient
+from flotilla.autoscaling.control import Decision, ScalerState, decide
+from flotilla.autoscaling.policy import PoolPolicy
+from flotilla.autoscaling.router_client import RouterClient
 from flotilla.observability.autoscaler import AutoscalerMetrics
 
 logger = logging.getLogger(__name__)

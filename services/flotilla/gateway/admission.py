@@ -19,7 +19,7 @@ from flotilla.gateway.auth import Principal
 from flotilla.gateway.dialects import Dialect
 from flotilla.gateway.errors import ErrorKind, GatewayError
 from flotilla.tenancy.errors import BackendUnavailable
-from flotilla.tenancy.fleet import AdmissionPolicy
+from flotilla.tenancy.admission_policy import AdmissionPolicy
 from flotilla.tenancy.gatekeeper import Gatekeeper, QuotaExceeded, Reservation
 from flotilla.tenancy.headers import anthropic_headers, openai_headers
 from flotilla.tenancy.quota import QuotaState, Reason

@@ -14,7 +14,7 @@ from starlette.responses import Response
 from flotilla.gateway import anthropic_api, health, models_api, openai_api
 from flotilla.gateway.context import GatewayContext, RequestContextMiddleware
 from flotilla.gateway.dialects import dialect_for_path, error_response, http_error
-from flotilla.gateway.keys import KeyStore
+from flotilla.tenancy.keys import KeyStore
 from flotilla.gateway.metrics import GatewayMetrics
 from flotilla.gateway.model_registry import ModelRegistry, TokenizerLoader, load_engine_tokenizer
 from flotilla.gateway.router_client import RouterBackend

@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flotilla.gateway.dialects import Dialect, error_response
 from flotilla.gateway.errors import ClientDisconnected, ErrorKind, GatewayError
-from flotilla.gateway.keys import KeyStore
+from flotilla.tenancy.keys import KeyStore
 from flotilla.gateway.metrics import GatewayMetrics
 from flotilla.gateway.model_registry import ModelRegistry
 from flotilla.gateway.router_client import RouterBackend

@@ -9,7 +9,7 @@ import uvicorn
 
 from flotilla.gateway.app import create_app
 from flotilla.gateway.fault_tolerance import FaultTolerance
-from flotilla.gateway.keys import KeyStore
+from flotilla.tenancy.keys import KeyStore
 from flotilla.gateway.router_client import RouterClient
 from flotilla.gateway.settings import GatewaySettings
 from flotilla.tenancy.gatekeeper import FailMode, Gatekeeper, open_gatekeeper

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flotilla.tenancy.fleet import AdmissionPolicy
+from flotilla.tenancy.admission_policy import AdmissionPolicy
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 

@@ -24,7 +24,7 @@ from flotilla.router.fair_queue import FairQueue
 from flotilla.router.models import ModelNotFoundError, Resolution, resolve_model
 from flotilla.router.placement import PlacementLimits, choose_worker
 from flotilla.router.registry import WorkerEntry, WorkerRegistry
-from flotilla.tenancy.fleet import ThroughputMeter, estimated_wait_s, overload_retry_after_s
+from flotilla.router.wait_estimate import ThroughputMeter, estimated_wait_s, overload_retry_after_s
 
 # Served in this order: a batch request is placed only while no interactive one waits for the same model.
 CLASS_ORDER = (pb.PRIORITY_CLASS_INTERACTIVE, pb.PRIORITY_CLASS_BATCH)

@@ -11,7 +11,7 @@ from opentelemetry import trace
 from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.observability.propagation import Metadata, incoming_context, outgoing_metadata
 from flotilla.observability.request_log import log_request
-from flotilla.observability.router_metrics import RouterMetrics, error_reason_label, priority_class_label
+from flotilla.router.metrics import RouterMetrics, error_reason_label, priority_class_label
 from flotilla.observability.tracing import trace_id_hex, tracer
 from flotilla.router.admission import Placement
 

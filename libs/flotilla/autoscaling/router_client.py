@@ -7,7 +7,7 @@ import grpc
 from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.router.v1 import router_pb2_grpc
-from flotilla.autoscaler.signals import PoolSignals, TokenMix
+from flotilla.autoscaling.signals import PoolSignals, TokenMix
 
 CALL_TIMEOUT_S = 2.0
 

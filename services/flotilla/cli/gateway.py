@@ -47,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from flotilla.gateway.server import run
     from flotilla.gateway.settings import GatewaySettings
-    from flotilla.tenancy.fleet import AdmissionPolicy
+    from flotilla.tenancy.admission_policy import AdmissionPolicy
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = GatewaySettings(host=args.host, port=args.port, port_file=args.port_file,
@@ -67,7 +67,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _add_key(args: argparse.Namespace) -> int:
-    from flotilla.gateway.keys import KeyEntry, KeyStore, generate_key, hash_key, write_keys_file
+    from flotilla.tenancy.keys import KeyEntry, KeyStore, generate_key, hash_key, write_keys_file
 
     entries = KeyStore.from_file(args.keys_file).entries if args.keys_file.exists() else []
     key = generate_key()

@@ -12,7 +12,7 @@ import httpx
 from flotilla.fleet.process import ProcessFailed, ServiceProcess
 
 if TYPE_CHECKING:
-    from flotilla.autoscaler.policy import PoolPolicy
+    from flotilla.autoscaling.policy import PoolPolicy
     from flotilla.autoscaler.supervisor import LocalSupervisor
     from flotilla.observability.exposition import MetricsServer
 from flotilla.rpc.options import read_port_file
@@ -94,8 +94,8 @@ class LocalFleet:
         self.router_address = f"{self.config.host}:{self.router.wait_port(timeout_s)}"
 
     def _start_supervisor(self) -> None:
-        from flotilla.autoscaler.fleet_launcher import FleetLauncher
-        from flotilla.autoscaler.router_client import RouterClient
+        from flotilla.fleet.launcher import FleetLauncher
+        from flotilla.autoscaling.router_client import RouterClient
         from flotilla.autoscaler.supervisor import LocalSupervisor, SupervisorConfig
 
         config = SupervisorConfig(self.model_name, self.config.autoscale, self.config.autoscale_interval_s)

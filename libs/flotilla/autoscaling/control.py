@@ -23,8 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from flotilla.autoscaler.policy import PoolPolicy, RoleThroughput
-from flotilla.autoscaler.signals import PoolSignals, TokenMix
+from flotilla.autoscaling.policy import PoolPolicy, RoleThroughput
+from flotilla.autoscaling.signals import PoolSignals, TokenMix
 
 NEVER = -math.inf
 MAX_TTFT_FACTOR = 2.0  # a TTFT miss at most doubles the pool per decision

@@ -104,7 +104,7 @@ def resolve_settings(args: argparse.Namespace, environ: dict[str, str] | None = 
 def run_up(args: argparse.Namespace) -> int:
     from flotilla.fleet.local import FleetConfig, LocalFleet
     from flotilla.fleet.process import ProcessFailed
-    from flotilla.gateway.keys import KeyEntry, generate_key, hash_key, write_keys_file
+    from flotilla.tenancy.keys import KeyEntry, generate_key, hash_key, write_keys_file
 
     settings = resolve_settings(args)
     state_dir = Path(settings["state_dir"]).resolve()
@@ -169,7 +169,7 @@ def autoscale_policy(settings: dict[str, Any]):
         return None
     if settings["decode"]:
         raise SystemExit("--autoscale scales role-both workers; it does not combine with --prefill/--decode yet")
-    from flotilla.autoscaler.policy import PoolPolicy
+    from flotilla.autoscaling.policy import PoolPolicy
 
     try:
         return PoolPolicy(
