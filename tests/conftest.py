@@ -14,5 +14,5 @@ import torch  # noqa: E402
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # Shared checkpoint fixtures: `tiny_checkpoint` (one tiny llama, seed 0, read-only) and `checkpoint_factory`.
-from models.fixtures import checkpoint_factory, tiny_checkpoint  # noqa: E402,F401
-from tenancy.redis_server import redis_server, redis_server_factory, redis_url  # noqa: E402,F401  (real Redis)
+from tests.support.checkpoints import checkpoint_factory, tiny_checkpoint  # noqa: E402,F401
+from tests.support.redis_server import redis_server, redis_server_factory, redis_url  # noqa: E402,F401  (real Redis)

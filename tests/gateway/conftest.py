@@ -4,7 +4,7 @@ import pytest
 
 from flotilla.gateway.model_registry import load_engine_tokenizer
 
-from .harness import Gateway
+from .in_process_gateway import InProcessGateway
 
 write_checkpoint = pytest.importorskip("flotilla.models.checkpoint").write_checkpoint
 pytest.importorskip("flotilla.engine.tokenizer")
@@ -22,6 +22,6 @@ def tokenizer(checkpoint_dir):
 
 @pytest.fixture(scope="session")
 def gateway(checkpoint_dir, tmp_path_factory):
-    gw = Gateway(checkpoint_dir, tmp_path_factory.mktemp("gateway-keys")).start()
+    gw = InProcessGateway(checkpoint_dir, tmp_path_factory.mktemp("gateway-keys")).start()
     yield gw
     gw.stop()

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from .fake_router import MAX_MODEL_LEN
-from .harness import MAX_BODY_BYTES
+from .in_process_gateway import MAX_BODY_BYTES
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from flotilla.models import checkpoint as ckpt
 from flotilla.models import toy_tokenizer, write_checkpoint
 
-from .fixtures import checkpoint_factory, make_checkpoint  # noqa: F401
+from tests.support.checkpoints import make_checkpoint
 
 ARCHS = ("llama", "qwen2", "mistral")
 

@@ -19,7 +19,7 @@ from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.router.v1 import router_pb2_grpc
 from flotilla.operator.config import OperatorConfig
 from flotilla.operator.handlers import register_handlers
-from test_operator_kmock import POOL, _get, until
+from .test_operator_kmock import POOL, _get, until
 
 NUM_DECODE = 3
 # 6000 prompt / 1000 output tokens at 4000 / 1000 tokens/s per replica: ratio 1.5 -> ceil(3 x 1.5) = 5.

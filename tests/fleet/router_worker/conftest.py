@@ -1,0 +1,1 @@
+from tests.support.engines import tiny_engine  # noqa: F401

@@ -1,0 +1,80 @@
+"""Fake router (real grpc.aio) and gateway (real uvicorn) on free loopback ports, in one background thread
+with one event loop, so that the tests themselves are plain synchronous functions using the real SDKs."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import uvicorn
+
+from flotilla.api.router.v1 import router_pb2_grpc
+from flotilla.gateway.app import create_app
+from flotilla.tenancy.keys import KeyEntry, KeyStore, generate_key, hash_key, write_keys_file
+from flotilla.gateway.metrics import GatewayMetrics
+from flotilla.gateway.router_client import RouterClient
+from flotilla.gateway.settings import GatewaySettings
+
+from .fake_router import FakeRouter
+
+START_TIMEOUT_S = 20.0
+MAX_BODY_BYTES = 64 * 1024
+
+
+class InProcessGateway:
+    def __init__(self, checkpoint_path: Path, keys_dir: Path):
+        self.fake = FakeRouter(str(checkpoint_path))
+        self.paid_key, self.free_key = generate_key(), generate_key()
+        self.keys_file = keys_dir / "keys.json"
+        write_keys_file(self.keys_file, [KeyEntry("k-paid", hash_key(self.paid_key), "acme", "paid"),
+                                         KeyEntry("k-free", hash_key(self.free_key), "hobbyist", "free")])
+        self.settings = GatewaySettings(keys_file=self.keys_file, max_body_bytes=MAX_BODY_BYTES,
+                                        model_refresh_s=3600.0, min_refresh_gap_s=0.0, retry_after_s=7)
+        self.metrics = GatewayMetrics()
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self.base_url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._server: uvicorn.Server | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="in-process-gateway", daemon=True)
+
+    def start(self) -> InProcessGateway:
+        self._thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not (self._server is not None and self._server.started):
+            if self._error is not None or not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"gateway did not start: {self._error!r}")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        self._thread.join(timeout=10)
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as err:  # surfaced by start()
+            self._error = err
+
+    async def _serve(self) -> None:
+        grpc_server = grpc.aio.server()
+        router_pb2_grpc.add_RouterServiceServicer_to_server(self.fake, grpc_server)
+        router_port = grpc_server.add_insecure_port("127.0.0.1:0")
+        await grpc_server.start()
+        self.settings = replace(self.settings, router_address=f"127.0.0.1:{router_port}")
+        client = RouterClient(self.settings.router_address)
+        app = create_app(self.settings, client, KeyStore.from_file(self.keys_file), metrics=self.metrics)
+        config = uvicorn.Config(app, lifespan="on", log_level="warning", timeout_graceful_shutdown=1)
+        self._server = uvicorn.Server(config)
+        try:
+            await self._server.serve(sockets=[self._sock])
+        finally:
+            await client.close()
+            await grpc_server.stop(0)

@@ -1,0 +1,78 @@
+"""A worker's link to the router: registers, heartbeats, registers again when forgotten, leaves on stop."""
+
+from __future__ import annotations
+
+import asyncio
+
+from flotilla.api.common.v1 import common_pb2 as pb
+from flotilla.api.router.v1 import router_pb2 as rpb
+from flotilla.api.router.v1 import router_pb2_grpc
+from flotilla.router.config import RouterConfig
+from flotilla.router.server import serve
+from flotilla.rpc.options import aio_channel, read_port_file
+from flotilla.worker.registration import RouterLink
+
+from tests.support.waiting import POLL_S, until
+
+
+async def until_async(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(POLL_S)
+
+
+async def test_worker_registers_again_when_the_router_forgets_it(tmp_path):
+    port_file = tmp_path / "router.port"
+    stop = asyncio.Event()
+    config = RouterConfig(port_file=str(port_file), heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5)
+    router = asyncio.create_task(serve(config, stop))
+    await until(lambda: read_port_file(port_file) is not None or router.done(), what="the router to serve")
+    address = f"127.0.0.1:{read_port_file(port_file)}"
+    channel = aio_channel(address)
+    stub = router_pb2_grpc.RouterServiceStub(channel)
+
+    async def registered_ids() -> set[str]:
+        return {s.worker.worker_id for s in (await stub.ListWorkers(rpb.ListWorkersRequest())).workers}
+
+    info = rpb.WorkerInfo(worker_id="w1", address="127.0.0.1:9", role=pb.WORKER_ROLE_BOTH,
+                          model=pb.ModelInfo(name="m", version="v1"))
+    link = RouterLink(address, info, lambda: pb.LoadReport(num_total_blocks=8, num_free_blocks=8), 1.0)
+    num_registrations = 0
+    register = link._register
+
+    async def counting_register() -> None:
+        nonlocal num_registrations
+        await register()
+        num_registrations += 1
+
+    link._register = counting_register
+    link.start()
+    try:
+        await until_async(lambda: _contains(registered_ids(), "w1"), what="registration")
+        # The link reports its load right after registering (a second call, so ListWorkers may land between).
+        await until_async(lambda: _reported(stub, blocks=8), what="the first load report")
+        assert (await stub.ListWorkers(rpb.ListWorkersRequest())).workers[0].healthy
+        await stub.DeregisterWorker(rpb.DeregisterWorkerRequest(worker_id="w1"))
+        # The next heartbeat is answered known=false; the link registers again.
+        await until_async(lambda: _registered_again(registered_ids(), lambda: num_registrations),
+                          what="re-registration")
+        await link.stop()
+        assert "w1" not in await registered_ids()  # deregistered on stop
+    finally:
+        stop.set()
+        await router
+        await channel.close()
+
+
+async def _reported(stub, blocks: int) -> bool:
+    workers = (await stub.ListWorkers(rpb.ListWorkersRequest())).workers
+    return bool(workers) and workers[0].load.num_total_blocks == blocks
+
+
+async def _contains(ids_coro, worker_id: str) -> bool:
+    return worker_id in await ids_coro
+
+
+async def _registered_again(ids_coro, count) -> bool:
+    return "w1" in await ids_coro and count() >= 2
