@@ -37,6 +37,8 @@ KINDS = {
                     {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}}),
     "qwen2_tied": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"tie_word_embeddings": True}),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 4096}),
+    # head_dim 24 != hidden / heads: the q/k norms and projections must follow head_dim
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 24}),
 }
 
 
@@ -68,9 +70,18 @@ def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
 class PagedDriver:
     """Plays the engine: per-sequence block tables drawn from a shuffled free list, one step at a time."""
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int = 96, block_size: int = 4, seed: int = 0) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int = 96,
+        block_size: int = 4,
+        seed: int = 0,
+        use_decode_kernel: bool = False,
+    ) -> None:
+        """use_decode_kernel: one-token chunks go through the CPU decode kernel, as in the engine."""
         self.model = model
         self.block_size = block_size
+        self.use_decode_kernel = use_decode_kernel
         dtype = next(model.parameters()).dtype
         self.kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, dtype, torch.device("cpu"))
         self.free = list(range(num_blocks))
@@ -89,7 +100,8 @@ class PagedDriver:
         return self.run(chunks, [tokens[start : start + n] for _, tokens, start, n in work])
 
     def run(self, chunks: list[SeqChunk], token_lists: list[list[int]]) -> torch.Tensor:
-        meta = AttentionMetadata.build(chunks, self.block_size, torch.device("cpu"))
+        cpu = torch.device("cpu")
+        meta = AttentionMetadata.build(chunks, self.block_size, cpu, use_decode_kernel=self.use_decode_kernel)
         input_ids = torch.tensor([t for tokens in token_lists for t in tokens])
         with torch.inference_mode():
             hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)

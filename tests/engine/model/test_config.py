@@ -54,6 +54,12 @@ def test_qwen2_bias_on_qkv_only_and_window_off_by_default():
     assert config.max_model_len == 4096 and config.sliding_window is None
 
 
+def test_qwen3_qk_norm_bias_from_config_and_window_off_by_default():
+    config = parse(architectures=["Qwen3ForCausalLM"], attention_bias=True, sliding_window=1024, head_dim=64)
+    assert config.qk_norm and config.attention_bias and config.o_proj_bias and config.head_dim == 64
+    assert config.sliding_window is None and not parse().qk_norm
+
+
 def test_mistral_sliding_window_caps_max_model_len():
     config = parse(architectures=["MistralForCausalLM"], sliding_window=1024)
     assert config.max_model_len == 1024 and config.sliding_window == 1024

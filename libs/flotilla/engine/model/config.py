@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -46,6 +46,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()  # generation_config.json's list when present, else config.json's
     sliding_window: int | None = None
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
 
     @property
     def num_kv_groups(self) -> int:
@@ -100,6 +101,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_eos_ids(raw, generation or {}),
             sliding_window=window,
+            qk_norm=architecture == "Qwen3ForCausalLM",
         )
 
 
@@ -154,8 +156,8 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 def _sliding_window(raw: dict[str, Any], architecture: str) -> int | None:
     window = raw.get("sliding_window")
-    if architecture == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
-        return None  # Qwen2 configs carry a sliding_window that is off unless use_sliding_window
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
+        return None  # Qwen2/3 configs carry a sliding_window that is off unless use_sliding_window
     if architecture == "LlamaForCausalLM":
         return None
     return int(window) if window else None

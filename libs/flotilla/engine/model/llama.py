@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral layouts) over a paged KV cache.
+"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral layouts) over a paged KV cache.
 
 Numerics follow transformers step for step (fp32 RMSNorm, rope cos/sin cast to the model dtype,
 residual adds in the model dtype) so that greedy output matches it token for token.
@@ -42,6 +42,9 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.rotary = [rotary]  # a list so the shared module is not registered once per layer
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
@@ -50,6 +53,8 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary[0](positions, q, k)
         out = paged_attention(q, k, v, kv_cache, meta)
         return self.o_proj(out.view(-1, self.q_size))

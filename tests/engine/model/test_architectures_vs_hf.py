@@ -1,0 +1,91 @@
+"""The layouts beyond Llama/Qwen2/Mistral against transformers, each on a random checkpoint of its own config:
+prefill logits, chunked prefill then decode through the paged KV cache (the SDPA path and the CPU decode kernel
+the engine uses), greedy decode, and the engine itself (scheduler, ModelRunner) against `generate`."""
+
+import json
+
+import pytest
+import torch
+
+from flotilla.engine.config import EngineConfig
+from flotilla.engine.engine import LLMEngine
+from flotilla.engine.model import decode_kernel
+from flotilla.engine.sampling_params import SamplingParams
+from flotilla.models.toy_tokenizer import toy_tokenizer_json
+
+from .helpers import VOCAB, PagedDriver, hf_logits, random_tokens
+
+ATOL = 1e-4
+KINDS = ["qwen3"]
+DECODE_PATHS = [False, pytest.param(True, marks=pytest.mark.skipif(decode_kernel.load() is None, reason="no C compiler"))]
+
+
+def hf_greedy(hf_model, prompt: list[int], num_new: int) -> list[int]:
+    with torch.inference_mode():
+        return hf_model.generate(torch.tensor([prompt]), max_new_tokens=num_new, do_sample=False)[0].tolist()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("use_decode_kernel", DECODE_PATHS)
+def test_chunked_prefill_then_decode_matches_hf(checkpoint_factory, kind, use_decode_kernel):
+    ckpt = checkpoint_factory(kind)
+    tokens = random_tokens(40, seed=2)
+    reference = hf_logits(ckpt.hf, tokens)
+    driver = PagedDriver(ckpt.model, block_size=4, seed=1, use_decode_kernel=use_decode_kernel)
+    start = 0
+    for size in (5, 3, 9):  # chunk ends cross block boundaries (block_size 4)
+        (logits,) = driver.step([("a", tokens, start, size)])
+        start += size
+        torch.testing.assert_close(logits, reference[start - 1], atol=ATOL, rtol=0)
+    while start < len(tokens):
+        (logits,) = driver.step([("a", tokens, start, 1)])
+        start += 1
+        torch.testing.assert_close(logits, reference[start - 1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_mixed_step_matches_each_sequence_alone(checkpoint_factory, kind):
+    ckpt = checkpoint_factory(kind)
+    seqs = {name: random_tokens(n, seed=10 + i) for i, (name, n) in enumerate({"a": 11, "b": 6, "c": 23}.items())}
+    driver = PagedDriver(ckpt.model, block_size=4, seed=3, use_decode_kernel=decode_kernel.load() is not None)
+    driver.step([("a", seqs["a"], 0, 10), ("b", seqs["b"], 0, 5), ("c", seqs["c"], 0, 7)])
+    work = [("a", seqs["a"], 10, 1), ("c", seqs["c"], 7, 16), ("b", seqs["b"], 5, 1)]
+    logits = driver.step(work)
+    for row, (name, tokens, start, n) in enumerate(work):
+        torch.testing.assert_close(logits[row], hf_logits(ckpt.hf, tokens)[start + n - 1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_decode_equals_hf_generate(checkpoint_factory, kind):
+    ckpt = checkpoint_factory(kind)
+    prompt = random_tokens(9, seed=30)
+    expected = hf_greedy(ckpt.hf, prompt, 30)
+    driver = PagedDriver(ckpt.model, block_size=4, seed=5, use_decode_kernel=decode_kernel.load() is not None)
+    tokens = list(prompt)
+    (logits,) = driver.step([("a", tokens, 0, len(tokens))])
+    while len(tokens) < len(expected):
+        tokens.append(int(logits.argmax()))
+        (logits,) = driver.step([("a", tokens, len(tokens) - 1, 1)])
+    assert tokens == expected
+    assert len(set(tokens[len(prompt) :])) > 3  # the model does not just repeat one token
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_engine_greedy_equals_hf_generate(checkpoint_factory, kind):
+    """The serving path: scheduler, chunked prefill, ModelRunner (with the decode kernel where it builds)."""
+    ckpt = checkpoint_factory(kind)
+    _add_tokenizer(ckpt.directory)
+    prompts = [random_tokens(n, seed=40 + n) for n in (7, 19, 12)]
+    engine = LLMEngine(EngineConfig(model_dir=str(ckpt.directory), device="cpu", num_kv_blocks=64, block_size=4,
+                                    max_num_batched_tokens=16))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    results = engine.generate(prompts, params)
+    for prompt, result in zip(prompts, results):
+        assert prompt + result.token_ids == hf_greedy(ckpt.hf, prompt, 12)
+
+
+def _add_tokenizer(directory) -> None:
+    """The engine needs a tokenizer.json; token ids are all the test uses."""
+    if not (directory / "tokenizer.json").exists():
+        (directory / "tokenizer.json").write_text(toy_tokenizer_json(VOCAB))
+        (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
