@@ -39,6 +39,13 @@ KINDS = {
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 4096}),
     # head_dim 24 != hidden / heads: the q/k norms and projections must follow head_dim
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 24}),
+    # partial rotary: 12 of 16 dims rotate; LongRoPE: short factors up to 32 positions, long ones past them
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {"partial_rotary_factor": 0.75}),
+    "phi3_longrope": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {
+        "original_max_position_embeddings": 32,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                            "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0], "long_factor": [1.5, 2, 4, 8, 16, 32]},
+    }),
 }
 
 
@@ -59,6 +66,19 @@ def make_checkpoint(directory: Path, kind: str, seed: int = 0) -> transformers.P
 def random_tokens(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def hf_chunked_logits(hf_model, tokens: list[int], chunk_sizes: list[int]) -> list[torch.Tensor]:
+    """HF logits [num_tokens, vocab] of each chunk, fed one after another through its KV cache (what LongRoPE
+    and dynamic RoPE compute depends on how a sequence is fed, in transformers as here)."""
+    cache = transformers.DynamicCache()
+    outputs, start = [], 0
+    with torch.inference_mode():
+        for size in chunk_sizes:
+            out = hf_model(torch.tensor([tokens[start : start + size]]), cache=cache, use_cache=True)
+            outputs.append(out.logits[0].float())
+            start += size
+    return outputs
 
 
 def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:

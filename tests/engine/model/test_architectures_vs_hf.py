@@ -13,10 +13,10 @@ from flotilla.engine.model import decode_kernel
 from flotilla.engine.sampling_params import SamplingParams
 from flotilla.models.toy_tokenizer import toy_tokenizer_json
 
-from .helpers import VOCAB, PagedDriver, hf_logits, random_tokens
+from .helpers import VOCAB, PagedDriver, hf_chunked_logits, random_tokens
 
 ATOL = 1e-4
-KINDS = ["qwen3"]
+KINDS = ["qwen3", "phi3", "phi3_longrope"]
 DECODE_PATHS = [False, pytest.param(True, marks=pytest.mark.skipif(decode_kernel.load() is None, reason="no C compiler"))]
 
 
@@ -30,29 +30,26 @@ def hf_greedy(hf_model, prompt: list[int], num_new: int) -> list[int]:
 def test_chunked_prefill_then_decode_matches_hf(checkpoint_factory, kind, use_decode_kernel):
     ckpt = checkpoint_factory(kind)
     tokens = random_tokens(40, seed=2)
-    reference = hf_logits(ckpt.hf, tokens)
+    sizes = [5, 3, 9] + [1] * 23  # chunk ends cross block boundaries (block_size 4); decode past position 32
     driver = PagedDriver(ckpt.model, block_size=4, seed=1, use_decode_kernel=use_decode_kernel)
     start = 0
-    for size in (5, 3, 9):  # chunk ends cross block boundaries (block_size 4)
+    for size, reference in zip(sizes, hf_chunked_logits(ckpt.hf, tokens, sizes)):
         (logits,) = driver.step([("a", tokens, start, size)])
         start += size
-        torch.testing.assert_close(logits, reference[start - 1], atol=ATOL, rtol=0)
-    while start < len(tokens):
-        (logits,) = driver.step([("a", tokens, start, 1)])
-        start += 1
-        torch.testing.assert_close(logits, reference[start - 1], atol=ATOL, rtol=0)
+        torch.testing.assert_close(logits, reference[-1], atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_mixed_step_matches_each_sequence_alone(checkpoint_factory, kind):
     ckpt = checkpoint_factory(kind)
-    seqs = {name: random_tokens(n, seed=10 + i) for i, (name, n) in enumerate({"a": 11, "b": 6, "c": 23}.items())}
+    seqs = {name: random_tokens(n, seed=10 + i) for i, (name, n) in enumerate({"a": 11, "b": 6, "c": 33}.items())}
     driver = PagedDriver(ckpt.model, block_size=4, seed=3, use_decode_kernel=decode_kernel.load() is not None)
     driver.step([("a", seqs["a"], 0, 10), ("b", seqs["b"], 0, 5), ("c", seqs["c"], 0, 7)])
-    work = [("a", seqs["a"], 10, 1), ("c", seqs["c"], 7, 16), ("b", seqs["b"], 5, 1)]
+    work = [("a", seqs["a"], 10, 1), ("c", seqs["c"], 7, 26), ("b", seqs["b"], 5, 1)]  # c ends past 32
     logits = driver.step(work)
     for row, (name, tokens, start, n) in enumerate(work):
-        torch.testing.assert_close(logits[row], hf_logits(ckpt.hf, tokens)[start + n - 1], atol=ATOL, rtol=0)
+        reference = hf_chunked_logits(ckpt.hf, tokens, [start, n])[1][-1]
+        torch.testing.assert_close(logits[row], reference, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -75,7 +72,7 @@ def test_engine_greedy_equals_hf_generate(checkpoint_factory, kind):
     """The serving path: scheduler, chunked prefill, ModelRunner (with the decode kernel where it builds)."""
     ckpt = checkpoint_factory(kind)
     _add_tokenizer(ckpt.directory)
-    prompts = [random_tokens(n, seed=40 + n) for n in (7, 19, 12)]
+    prompts = [random_tokens(n, seed=40 + n) for n in (7, 29, 12)]  # 29 + 12 runs past position 32
     engine = LLMEngine(EngineConfig(model_dir=str(ckpt.directory), device="cpu", num_kv_blocks=64, block_size=4,
                                     max_num_batched_tokens=16))
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -60,6 +60,17 @@ def test_qwen3_qk_norm_bias_from_config_and_window_off_by_default():
     assert config.sliding_window is None and not parse().qk_norm
 
 
+def test_phi3_partial_rotary_and_longrope_from_transformers4_layout():
+    scaling = {"type": "su", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6}
+    config = parse(architectures=["Phi3ForCausalLM"], partial_rotary_factor=0.75, rope_scaling=scaling,
+                   original_max_position_embeddings=1024)
+    assert config.rotary_dim == 12 and config.head_dim == 16
+    assert config.rope_scaling == {"rope_type": "longrope", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6,
+                                   "factor": 4.0, "original_max_position_embeddings": 1024}
+    assert parse(architectures=["Phi3ForCausalLM"], rope_scaling=scaling).rope_scaling[
+        "original_max_position_embeddings"] == 4096  # Phi3Config's default
+
+
 def test_mistral_sliding_window_caps_max_model_len():
     config = parse(architectures=["MistralForCausalLM"], sliding_window=1024)
     assert config.max_model_len == 1024 and config.sliding_window == 1024

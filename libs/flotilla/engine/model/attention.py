@@ -69,6 +69,7 @@ class AttentionMetadata:
     decode_groups: tuple[DecodeBatch, ...]
     prefills: tuple[PrefillChunk, ...]
     decode_rows: DecodeRows | None = None  # set instead of decode_groups when the CPU kernel runs decode
+    seq_ends: torch.Tensor | None = None  # [T] context length after the step of each token's sequence
 
     @classmethod
     def build(
@@ -93,6 +94,7 @@ class AttentionMetadata:
             torch.arange(len(seqs), device=device), torch.tensor(counts, device=device)
         )
         slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+        context_lens = torch.tensor(ends, dtype=torch.int64, device=device)
         decode_ids = [i for i, count in enumerate(counts) if count == 1]
         decode_rows = None
         decode_groups: tuple[DecodeBatch, ...] = ()
@@ -113,11 +115,12 @@ class AttentionMetadata:
             num_tokens=sum(counts),
             positions=positions,
             slot_mapping=slot_mapping,
-            context_lens=torch.tensor(ends, dtype=torch.int64, device=device),
+            context_lens=context_lens,
             block_tables=block_tables,
             decode_groups=decode_groups,
             decode_rows=decode_rows,
             prefills=prefills,
+            seq_ends=context_lens[seq_of_token],
         )
 
 

@@ -9,9 +9,20 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "MistralForCausalLM",
+    "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+)
+# rope type -> (required keys, optional keys) of its scaling parameters, as transformers names them
+_ROPE_KEYS = {
+    "linear": (("factor",), ()),
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
+    "longrope": (("short_factor", "long_factor", "factor", "original_max_position_embeddings"), ("attention_factor",)),
+}
+SUPPORTED_ROPE_TYPES = ("default", *_ROPE_KEYS)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -36,7 +47,7 @@ class ModelConfig:
     rope_theta: float
     max_model_len: int
     tie_word_embeddings: bool
-    # None means plain RoPE; else {"rope_type": "linear"|"llama3", ...} with HF's keys.
+    # None means plain RoPE; else {"rope_type": "linear"|"llama3"|"longrope"|..., ...} with HF's keys.
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     attention_bias: bool = False  # bias on q/k/v projections
     o_proj_bias: bool = False  # Llama's attention_bias also covers o_proj; Qwen2's does not
@@ -47,10 +58,15 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()  # generation_config.json's list when present, else config.json's
     sliding_window: int | None = None
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first rotary_dim dims of each head (Phi-3/4)
 
     @property
     def num_kv_groups(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -76,7 +92,7 @@ class ModelConfig:
         num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
         head_dim = int(raw.get("head_dim") or hidden_size // num_heads)
         _check_supported(raw, num_heads, num_kv_heads)
-        rope_theta, rope_scaling = _rope(raw)
+        rope_theta, rope_scaling, partial_rotary_factor = _rope(raw, architecture)
         max_positions = int(raw["max_position_embeddings"])
         window = _sliding_window(raw, architecture)
         is_qwen2 = architecture == "Qwen2ForCausalLM"
@@ -102,6 +118,7 @@ class ModelConfig:
             eos_token_ids=_eos_ids(raw, generation or {}),
             sliding_window=window,
             qk_norm=architecture == "Qwen3ForCausalLM",
+            partial_rotary_factor=partial_rotary_factor,
         )
 
 
@@ -131,27 +148,35 @@ def _check_supported(raw: dict[str, Any], num_heads: int, num_kv_heads: int) -> 
         raise ValueError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
 
 
-def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """Reads RoPE from transformers 4 (`rope_theta` + `rope_scaling`) or 5 (`rope_parameters`) layouts."""
+def _rope(raw: dict[str, Any], architecture: str) -> tuple[float, dict[str, Any] | None, float]:
+    """(theta, scaling, partial_rotary_factor) from transformers 4 (`rope_theta` + `rope_scaling`) or 5
+    (`rope_parameters`) layouts; `original_max_position_embeddings` at the top level wins, as in transformers."""
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     if any(isinstance(value, dict) for value in params.values()):
         raise ValueError("per-layer-type rope_parameters are not supported")
     theta = float(params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0)
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
+    if architecture == "Phi3ForCausalLM" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # Phi3Config's reading of early Phi-3 configs
+    partial = float(params.pop("partial_rotary_factor", None) or raw.get("partial_rotary_factor") or 1.0)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    if float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor") or 1.0)) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported")
     if rope_type == "default":
-        return theta, None
-    if rope_type == "llama3":
-        params.setdefault("original_max_position_embeddings", raw["max_position_embeddings"])
-    required = _LLAMA3_KEYS if rope_type == "llama3" else ("factor",)
-    missing = [key for key in required if key not in params]
+        return theta, None, partial
+    max_positions = int(raw["max_position_embeddings"])
+    if rope_type in ("llama3", "longrope", "yarn"):
+        default_original = 4096 if architecture == "Phi3ForCausalLM" else max_positions  # Phi3Config's default
+        original = raw.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+        params["original_max_position_embeddings"] = int(original or default_original)
+    if rope_type == "longrope" and params.get("factor") is None:
+        params["factor"] = max_positions / params["original_max_position_embeddings"]
+    required, optional = _ROPE_KEYS[rope_type]
+    missing = [key for key in required if params.get(key) is None]
     if missing:
         raise ValueError(f"rope type {rope_type!r} needs {missing}")
-    return theta, {"rope_type": rope_type, **{key: params[key] for key in required}}
+    scaling = {key: params[key] for key in (*required, *optional) if params.get(key) is not None}
+    return theta, {"rope_type": rope_type, **scaling}, partial
 
 
 def _sliding_window(raw: dict[str, Any], architecture: str) -> int | None:

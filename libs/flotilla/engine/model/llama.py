@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral layouts) over a paged KV cache.
+"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, Phi-3 layouts) over a paged KV cache.
 
 Numerics follow transformers step for step (fp32 RMSNorm, rope cos/sin cast to the model dtype,
 residual adds in the model dtype) so that greedy output matches it token for token.
@@ -55,7 +55,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
+        q, k = self.rotary[0](positions, q, k, meta.seq_ends)
         out = paged_attention(q, k, v, kv_cache, meta)
         return self.o_proj(out.view(-1, self.q_size))
 

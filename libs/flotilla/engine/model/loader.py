@@ -23,6 +23,8 @@ _FUSED = {
     "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
     "mlp.up_proj": ("mlp.gate_up_proj", "up"),
 }
+# Checkpoints that already store qkv_proj and gate_up_proj fused, in our row order (q, k, v; gate, up).
+PREFUSED_ARCHITECTURES = ("Phi3ForCausalLM",)
 _LAYER_NAME = re.compile(
     r"^(model\.layers\.\d+\.)(self_attn\.[qkv]_proj|mlp\.gate_proj|mlp\.up_proj)\.(weight|bias)$"
 )
@@ -125,10 +127,13 @@ def _shard_rows(config: ModelConfig, shard: str) -> tuple[int, int]:
 
 def _expected_targets(model: LlamaForCausalLM, config: ModelConfig, tie: bool) -> set[Target]:
     expected: set[Target] = set()
+    prefused = config.architecture in PREFUSED_ARCHITECTURES
     for name, _ in model.named_parameters(remove_duplicate=False):
         if tie and name == "lm_head.weight":
             continue
-        if ".qkv_proj." in name:
+        if prefused and (".qkv_proj." in name or ".gate_up_proj." in name):
+            expected.add(Target(name, 0, -1))
+        elif ".qkv_proj." in name:
             expected.update(Target(name, *_shard_rows(config, shard)) for shard in "qkv")
         elif ".gate_up_proj." in name:
             expected.update(Target(name, *_shard_rows(config, shard)) for shard in ("gate", "up"))
