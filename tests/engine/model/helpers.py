@@ -46,6 +46,11 @@ KINDS = {
         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
                             "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0], "long_factor": [1.5, 2, 4, 8, 16, 32]},
     }),
+    # 6 experts, top 2, renormalised; layer 1 dense (mlp_only_layers); head_dim 24 as for qwen3
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, {
+        "head_dim": 24, "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+        "norm_topk_prob": True, "mlp_only_layers": [1],
+    }),
 }
 
 

@@ -16,8 +16,9 @@ from flotilla.models.toy_tokenizer import toy_tokenizer_json
 from .helpers import VOCAB, PagedDriver, hf_chunked_logits, random_tokens
 
 ATOL = 1e-4
-KINDS = ["qwen3", "phi3", "phi3_longrope"]
-DECODE_PATHS = [False, pytest.param(True, marks=pytest.mark.skipif(decode_kernel.load() is None, reason="no C compiler"))]
+KINDS = ["qwen3", "phi3", "phi3_longrope", "qwen3_moe"]
+NO_KERNEL = pytest.mark.skipif(decode_kernel.load() is None, reason="no C compiler")
+DECODE_PATHS = [False, pytest.param(True, marks=NO_KERNEL)]
 
 
 def hf_greedy(hf_model, prompt: list[int], num_new: int) -> list[int]:

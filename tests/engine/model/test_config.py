@@ -71,6 +71,15 @@ def test_phi3_partial_rotary_and_longrope_from_transformers4_layout():
         "original_max_position_embeddings"] == 4096  # Phi3Config's default
 
 
+def test_qwen3_moe_sparse_layers():
+    config = parse(architectures=["Qwen3MoeForCausalLM"], num_hidden_layers=6, num_experts=8, num_experts_per_tok=2,
+                   moe_intermediate_size=32, decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=True)
+    assert config.moe.sparse_layers == (1, 5) and config.moe.num_experts == 8 and config.moe.norm_topk_prob
+    assert config.qk_norm and parse().moe is None
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        parse(architectures=["Qwen3MoeForCausalLM"], num_local_experts=4, num_experts_per_tok=5)
+
+
 def test_mistral_sliding_window_caps_max_model_len():
     config = parse(architectures=["MistralForCausalLM"], sliding_window=1024)
     assert config.max_model_len == 1024 and config.sliding_window == 1024

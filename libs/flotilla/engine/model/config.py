@@ -15,6 +15,7 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 # rope type -> (required keys, optional keys) of its scaling parameters, as transformers names them
 _ROPE_KEYS = {
@@ -24,6 +25,17 @@ _ROPE_KEYS = {
 }
 SUPPORTED_ROPE_TYPES = ("default", *_ROPE_KEYS)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Sparse MLP layers (Qwen3-MoE): `sparse_layers` lists the layers whose MLP is the experts."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    intermediate_size: int  # of each expert
+    norm_topk_prob: bool
+    sparse_layers: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,7 @@ class ModelConfig:
     sliding_window: int | None = None
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     partial_rotary_factor: float = 1.0  # RoPE rotates the first rotary_dim dims of each head (Phi-3/4)
+    moe: MoEConfig | None = None
 
     @property
     def num_kv_groups(self) -> int:
@@ -117,8 +130,9 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_eos_ids(raw, generation or {}),
             sliding_window=window,
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             partial_rotary_factor=partial_rotary_factor,
+            moe=_moe(raw, architecture),
         )
 
 
@@ -179,9 +193,24 @@ def _rope(raw: dict[str, Any], architecture: str) -> tuple[float, dict[str, Any]
     return theta, {"rope_type": rope_type, **scaling}, partial
 
 
+def _moe(raw: dict[str, Any], architecture: str) -> MoEConfig | None:
+    if architecture != "Qwen3MoeForCausalLM":
+        return None
+    num_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    num_layers, step = int(raw["num_hidden_layers"]), int(raw.get("decoder_sparse_step") or 1)
+    dense = set(raw.get("mlp_only_layers") or ())
+    sparse = tuple(i for i in range(num_layers) if num_experts > 0 and i not in dense and (i + 1) % step == 0)
+    top_k = int(raw.get("num_experts_per_tok", 0))
+    if sparse and not 0 < top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and num_experts {num_experts}")
+    return MoEConfig(num_experts, top_k, int(raw.get("moe_intermediate_size") or 0),
+                     bool(raw.get("norm_topk_prob", False)), sparse)
+
+
 def _sliding_window(raw: dict[str, Any], architecture: str) -> int | None:
     window = raw.get("sliding_window")
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
+    qwen = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+    if architecture in qwen and not raw.get("use_sliding_window", False):
         return None  # Qwen2/3 configs carry a sliding_window that is off unless use_sliding_window
     if architecture == "LlamaForCausalLM":
         return None

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, Phi-3 layouts) over a paged KV cache.
+"""Llama-family decoder (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Phi-3 layouts) over a paged KV cache.
 
 Numerics follow transformers step for step (fp32 RMSNorm, rope cos/sin cast to the model dtype,
 residual adds in the model dtype) so that greedy output matches it token for token.
@@ -15,6 +15,7 @@ from torch import nn
 
 from flotilla.engine.model.attention import AttentionMetadata, paged_attention
 from flotilla.engine.model.config import ModelConfig
+from flotilla.engine.model.moe import SparseMoE
 from flotilla.engine.model.rope import RotaryEmbedding
 
 
@@ -72,10 +73,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, index: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary)
-        self.mlp = LlamaMLP(config)
+        is_sparse = config.moe is not None and index in config.moe.sparse_layers
+        self.mlp = SparseMoE(config.hidden_size, config.moe) if is_sparse else LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -89,7 +91,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary_emb) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary_emb, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

@@ -28,6 +28,8 @@ PREFUSED_ARCHITECTURES = ("Phi3ForCausalLM",)
 _LAYER_NAME = re.compile(
     r"^(model\.layers\.\d+\.)(self_attn\.[qkv]_proj|mlp\.gate_proj|mlp\.up_proj)\.(weight|bias)$"
 )
+# One expert's matrix -> its rows of the layer's stacked experts.gate_up_proj / experts.down_proj
+_EXPERT_NAME = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 class Target(NamedTuple):
@@ -102,6 +104,10 @@ def _target(name: str, config: ModelConfig, tie: bool) -> Target | None:
     """The parameter rows a checkpoint tensor fills; None for tensors deliberately skipped."""
     if _IGNORED.match(name) or (tie and name == "lm_head.weight"):
         return None
+    expert = _EXPERT_NAME.match(name)
+    if expert is not None:
+        prefix, index, kind = expert.groups()
+        return _expert_target(config, prefix, int(index), kind)
     match = _LAYER_NAME.match(name)
     if match is None:
         return Target(name, 0, -1)  # whole parameter, same name as in HF
@@ -125,6 +131,14 @@ def _shard_rows(config: ModelConfig, shard: str) -> tuple[int, int]:
     return rows[shard]
 
 
+def _expert_target(config: ModelConfig, prefix: str, expert: int, kind: str) -> Target:
+    """Rows of the stacked expert tensors seen as 2-D ([E * 2I, H] and [E * H, I])."""
+    inter = config.moe.intermediate_size if config.moe is not None else 0
+    if kind == "down_proj":
+        return Target(f"{prefix}down_proj", expert * config.hidden_size, config.hidden_size)
+    return Target(f"{prefix}gate_up_proj", expert * 2 * inter + (inter if kind == "up_proj" else 0), inter)
+
+
 def _expected_targets(model: LlamaForCausalLM, config: ModelConfig, tie: bool) -> set[Target]:
     expected: set[Target] = set()
     prefused = config.architecture in PREFUSED_ARCHITECTURES
@@ -133,6 +147,11 @@ def _expected_targets(model: LlamaForCausalLM, config: ModelConfig, tie: bool) -
             continue
         if prefused and (".qkv_proj." in name or ".gate_up_proj." in name):
             expected.add(Target(name, 0, -1))
+        elif name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            prefix = name.rsplit(".", 1)[0] + "."
+            kinds = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
+            num_experts = config.moe.num_experts if config.moe is not None else 0
+            expected.update(_expert_target(config, prefix, e, kind) for e in range(num_experts) for kind in kinds)
         elif ".qkv_proj." in name:
             expected.update(Target(name, *_shard_rows(config, shard)) for shard in "qkv")
         elif ".gate_up_proj." in name:
@@ -143,7 +162,8 @@ def _expected_targets(model: LlamaForCausalLM, config: ModelConfig, tie: bool) -
 
 
 def _copy(param: torch.Tensor, target: Target, tensor: torch.Tensor, name: str) -> None:
-    rows = param if target.num_rows < 0 else param.narrow(0, target.row_start, target.num_rows)
+    matrix = param.flatten(0, -2) if param.dim() > 2 else param  # stacked experts: rows of all experts
+    rows = param if target.num_rows < 0 else matrix.narrow(0, target.row_start, target.num_rows)
     if rows.shape != tensor.shape:
         raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(rows.shape)}")
     with torch.no_grad():

@@ -74,7 +74,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.config = config
         scaling = config.rope_scaling or {}
-        self.long_after = scaling["original_max_position_embeddings"] if scaling.get("rope_type") == "longrope" else None
+        is_longrope = scaling.get("rope_type") == "longrope"
+        self.long_after = scaling["original_max_position_embeddings"] if is_longrope else None
         self.register_buffer("cos_sin_cache", self._build(None), persistent=False)
 
     def _build(self, device: torch.device | None) -> torch.Tensor:
