@@ -1,12 +1,12 @@
-"""The gateway in this process: the real app on real uvicorn, in front of a fake router (real grpc.aio), on free
-loopback ports, in one background thread with one event loop, so that the tests themselves are plain
-synchronous functions using the real SDKs. (The gateway as a process, with a real router: tests/support/fleet.py.)"""
+"""Fake router (real grpc.aio) and gateway (real uvicorn) on free loopback ports, in one background thread
+with one event loop, so that the tests themselves are plain synchronous functions using the real SDKs."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,8 +19,6 @@ from flotilla.tenancy.keys import KeyEntry, KeyStore, generate_key, hash_key, wr
 from flotilla.gateway.metrics import GatewayMetrics
 from flotilla.gateway.router_client import RouterClient
 from flotilla.gateway.settings import GatewaySettings
-
-from tests.support.waiting import wait_until
 
 from .fake_router import FakeRouter
 
@@ -47,13 +45,11 @@ class InProcessGateway:
 
     def start(self) -> InProcessGateway:
         self._thread.start()
-
-        def started() -> bool:
-            if self._error is not None or not self._thread.is_alive():
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not (self._server is not None and self._server.started):
+            if self._error is not None or not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"gateway did not start: {self._error!r}")
-            return self._server is not None and self._server.started
-
-        wait_until(started, START_TIMEOUT_S, "the in-process gateway to serve")
+            time.sleep(0.01)
         return self
 
     def stop(self) -> None:

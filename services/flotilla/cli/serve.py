@@ -76,7 +76,10 @@ def run_worker(args: argparse.Namespace) -> int:
     from flotilla.worker.server import serve
     from flotilla.worker.kv_settings import DisaggSettings
 
+    from flotilla.cli.up import check_model
+
     _configure_logging(args.log_level)
+    check_model(args.model_dir, "flotilla worker")
     engine = EngineConfig(
         model_dir=args.model_dir,
         device=args.device,

@@ -110,6 +110,7 @@ def run_up(args: argparse.Namespace) -> int:
     state_dir = Path(settings["state_dir"]).resolve()
     model_dir = Path(settings["model_dir"] or state_dir / "models" / "flotilla-tiny").resolve()
     _ensure_model(model_dir, default=settings["model_dir"] is None)
+    check_model(model_dir, "flotilla up")
     api_key = settings["api_key"] or generate_key()
     keys_file = state_dir / "keys.json"
     local_key = KeyEntry("local", hash_key(api_key), "local", "paid")
@@ -161,6 +162,17 @@ def run_up(args: argparse.Namespace) -> int:
         print("stopping the fleet ...", flush=True)
         fleet.stop()
     return 0
+
+
+def check_model(model_dir: Path | str, command: str) -> None:
+    """Exits with one line (architecture, what is unsupported or missing) for a checkpoint the engine cannot
+    load, before any process starts: never a traceback from a worker later."""
+    from flotilla.engine.model.loader import check_checkpoint
+
+    try:
+        check_checkpoint(model_dir)
+    except ValueError as error:
+        raise SystemExit(f"{command}: cannot serve {error}") from None
 
 
 def autoscale_policy(settings: dict[str, Any]):

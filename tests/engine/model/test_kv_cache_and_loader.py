@@ -108,3 +108,18 @@ def test_tied_checkpoint_shares_embedding(checkpoint_factory):
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert model.model.layers[0].self_attn.qkv_proj.bias is not None
     assert model.model.layers[0].self_attn.o_proj.bias is None
+
+
+def test_check_checkpoint_reads_names_only_and_says_what_is_wrong(saved, tmp_path):
+    from flotilla.engine.model.loader import check_checkpoint
+
+    directory, _ = saved
+    assert check_checkpoint(directory).architecture == "LlamaForCausalLM"
+    (tmp_path / "config.json").write_bytes((directory / "config.json").read_bytes())
+    tensors = load_file(directory / "model.safetensors")
+    del tensors["model.norm.weight"]
+    save_file({**tensors, "model.layers.0.mlp.extra.weight": torch.zeros(2)}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError) as error:
+        check_checkpoint(tmp_path)
+    assert str(error.value) == (f"{tmp_path}: LlamaForCausalLM: checkpoint lacks tensors for model.norm.weight; "
+                                "has tensors it cannot place: model.layers.0.mlp.extra.weight")

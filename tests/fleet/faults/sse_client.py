@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from tests.support.fleet import MODEL
+from .fleet import MODEL
 
 
 @dataclass

@@ -17,9 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.support.fleet import MODEL
-
-from .conftest import MAX_REQUESTS_PER_WORKER
+from .fleet_harness import MAX_REQUESTS_PER_WORKER, MODEL
 
 PROMPT = list(range(30, 44))  # 14 tokens
 

@@ -168,3 +168,39 @@ def _copy(param: torch.Tensor, target: Target, tensor: torch.Tensor, name: str) 
         raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(rows.shape)}")
     with torch.no_grad():
         rows.copy_(tensor)
+
+
+def check_checkpoint(model_dir: str | Path) -> ModelConfig:
+    """What load_model would reject, found from config.json and the tensor names alone (no weight is read).
+
+    Raises ValueError with one line: the directory, the checkpoint's architecture and what is unsupported
+    or missing. Services call it at start-up so that a bad checkpoint never ends in a traceback later."""
+    model_dir = Path(model_dir)
+    try:
+        config = ModelConfig.from_pretrained(model_dir)
+        names = _tensor_names(_safetensors_files(model_dir))
+    except ValueError as error:
+        raise ValueError(f"{model_dir}: {_declared_architecture(model_dir)}: {error}") from None
+    tie = config.tie_word_embeddings or "lm_head.weight" not in names
+    with torch.device("meta"):
+        expected = _expected_targets(LlamaForCausalLM(config), config, tie)
+    targets = {name: _target(name, config, tie) for name in names}
+    unexpected = sorted(name for name, target in targets.items() if target is not None and target not in expected)
+    missing = sorted({target.name for target in expected - set(targets.values())})
+    problems = [f"lacks tensors for {_few(missing)}"] if missing else []
+    problems += [f"has tensors it cannot place: {_few(unexpected)}"] if unexpected else []
+    if problems:
+        raise ValueError(f"{model_dir}: {config.architecture}: checkpoint {'; '.join(problems)}")
+    return config
+
+
+def _declared_architecture(model_dir: Path) -> str:
+    try:
+        return "/".join(json.loads((model_dir / "config.json").read_text()).get("architectures") or ["?"])
+    except (OSError, ValueError):
+        return "?"
+
+
+def _few(names: list[str], limit: int = 3) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

@@ -1,0 +1,60 @@
+"""A checkpoint the engine cannot load stops `flotilla up` and `flotilla worker` at start-up with one line
+that names the architecture and what is missing: no traceback, a non-zero exit, nothing started."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+import flotilla.models
+
+LIBS_DIR = Path(flotilla.models.__file__).resolve().parents[2]
+SERVICES_DIR = LIBS_DIR.parent / "services"
+
+
+def run_cli(*args, cwd):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(LIBS_DIR), str(SERVICES_DIR), env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-m", "flotilla.cli", *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=120, cwd=cwd)
+
+
+@pytest.fixture
+def broken(tmp_path, tiny_checkpoint):
+    def make(kind: str) -> Path:
+        directory = tmp_path / kind
+        shutil.copytree(tiny_checkpoint, directory)
+        if kind == "architecture":
+            config = json.loads((directory / "config.json").read_text())
+            (directory / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+        else:
+            tensors = load_file(directory / "model.safetensors")
+            del tensors["model.layers.0.mlp.down_proj.weight"]
+            save_file(tensors, directory / "model.safetensors")
+        return directory
+
+    return make
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected"),
+    [
+        ("architecture", "GPT2LMHeadModel: unsupported architecture ['GPT2LMHeadModel']; supported: LlamaForCausalLM"),
+        ("tensor", "LlamaForCausalLM: checkpoint lacks tensors for model.layers.0.mlp.down_proj.weight"),
+    ],
+)
+@pytest.mark.parametrize("command", ["up", "worker"])
+def test_unsupported_checkpoint_fails_in_one_line(broken, tmp_path, kind, expected, command):
+    model_dir = broken(kind)
+    state = ("--state-dir", tmp_path / "state") if command == "up" else ()
+    result = run_cli(command, "--model-dir", model_dir, *state, cwd=tmp_path)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith(f"flotilla {command}: cannot serve {model_dir}: ") and expected in lines[0]
+    assert not (tmp_path / "state" / "logs").exists()  # nothing was started
