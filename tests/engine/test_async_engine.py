@@ -14,7 +14,7 @@ from flotilla.engine.sampling_params import SamplingParams
 
 from tests.support.engines import greedy_reference
 from .fake_engine import FIRST_TOKEN, FakeEngine
-from tests.support.waiting import until
+from tests.support.waiting import async_wait_until
 
 ENDLESS = SamplingParams(max_tokens=1_000_000, temperature=0.0, ignore_eos=True)
 
@@ -44,7 +44,7 @@ async def test_outputs_waiting_together_come_out_merged():
     fake = FakeEngine()
     engine = await started(fake)
     stream = await engine.generate("r1", [1, 2, 3], SamplingParams(max_tokens=5))
-    await until(lambda: not engine.active_request_ids(), what="the request to finish")
+    await async_wait_until(lambda: not engine.active_request_ids(), what="the request to finish")
     outputs = await collect(stream)
     assert len(outputs) == 1  # five steps' worth of tokens in one output
     assert outputs[0].new_token_ids == [FIRST_TOKEN + i for i in range(5)]
@@ -149,7 +149,7 @@ async def test_cancelled_consumer_aborts_the_request():
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await until(lambda: not engine.active_request_ids() and not fake.requests, what="the abort")
+    await async_wait_until(lambda: not engine.active_request_ids() and not fake.requests, what="the abort")
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
     await engine.shutdown()
 
@@ -228,8 +228,8 @@ async def test_consumer_cancel_frees_the_blocks(tiny_engine):
     await wait_first_output(task, first)
     assert engine.stats().num_free_blocks < total
     task.cancel()
-    await until(lambda: not engine.active_request_ids() and engine.stats().num_free_blocks == total,
-                what="the aborted request's blocks")
+    await async_wait_until(lambda: not engine.active_request_ids() and engine.stats().num_free_blocks == total,
+                           what="the aborted request's blocks")
     assert engine.stats().num_output_tokens_total - num_tokens_before < 900  # aborted, not run to the end
     assert engine.integrity_ok and tiny_engine.check_integrity()
     await engine.shutdown()

@@ -1,12 +1,12 @@
-"""Fake router (real grpc.aio) and gateway (real uvicorn) on free loopback ports, in one background thread
-with one event loop, so that the tests themselves are plain synchronous functions using the real SDKs."""
+"""The gateway in this process: the real app on real uvicorn, in front of a fake router (real grpc.aio), on free
+loopback ports, in one background thread with one event loop, so that the tests themselves are plain
+synchronous functions using the real SDKs. (The gateway as a process, with a real router: tests/support/fleet.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 import threading
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,6 +19,8 @@ from flotilla.tenancy.keys import KeyEntry, KeyStore, generate_key, hash_key, wr
 from flotilla.gateway.metrics import GatewayMetrics
 from flotilla.gateway.router_client import RouterClient
 from flotilla.gateway.settings import GatewaySettings
+
+from tests.support.waiting import wait_until
 
 from .fake_router import FakeRouter
 
@@ -45,11 +47,13 @@ class InProcessGateway:
 
     def start(self) -> InProcessGateway:
         self._thread.start()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not (self._server is not None and self._server.started):
-            if self._error is not None or not self._thread.is_alive() or time.monotonic() > deadline:
+
+        def started() -> bool:
+            if self._error is not None or not self._thread.is_alive():
                 raise RuntimeError(f"gateway did not start: {self._error!r}")
-            time.sleep(0.01)
+            return self._server is not None and self._server.started
+
+        wait_until(started, START_TIMEOUT_S, "the in-process gateway to serve")
         return self
 
     def stop(self) -> None:

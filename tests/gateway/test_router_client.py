@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from contextlib import aclosing
 
 import grpc
@@ -11,6 +10,8 @@ import pytest
 from flotilla.api.common.v1 import common_pb2 as common
 from flotilla.api.router.v1 import router_pb2_grpc
 from flotilla.gateway.router_client import RouterClient
+
+from tests.support.waiting import async_wait_until
 
 from .fake_router import FakeRouter
 
@@ -51,9 +52,5 @@ async def test_closing_the_stream_at_a_yield_cancels_the_call(router):
     async with aclosing(client.generate(request)) as stream:
         first = await anext(stream)
         assert first.WhichOneof("event") == "chunk"
-    await asyncio.wait_for(_cancelled(fake, "r2"), timeout=10)
-
-
-async def _cancelled(fake: FakeRouter, request_id: str) -> None:
-    while request_id not in {r.request_id for r in fake.cancelled}:
-        await asyncio.sleep(0.01)
+    await async_wait_until(lambda: "r2" in {r.request_id for r in fake.cancelled}, 10,
+                           "the router to see r2 cancelled")

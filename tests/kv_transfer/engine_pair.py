@@ -4,7 +4,6 @@ side that reserves blocks, counts arrivals and admits the request. Drives them s
 from __future__ import annotations
 
 import hashlib
-import time
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +14,8 @@ from flotilla.engine.remote_prefill import KVReservation, KVSender, RemoteTarget
 from flotilla.engine.sampling_params import SamplingParams
 from flotilla.kv_transfer.arrivals import ArrivalTracker
 from flotilla.kv_transfer.transport import KVTransport
+
+from tests.support.waiting import wait_until
 
 
 @dataclass
@@ -59,11 +60,8 @@ class EnginePair:
         self.sender.pop_target(request_id)
         if target.error is not None:
             raise RuntimeError(target.error)
-        deadline = time.monotonic() + 30
-        while self.arrivals.num_arrived(transfer_id) < target.num_writes:
-            if time.monotonic() > deadline:
-                raise TimeoutError("writes did not all arrive")
-            time.sleep(0.001)
+        wait_until(lambda: self.arrivals.num_arrived(transfer_id) >= target.num_writes, 30,
+                   "every write to arrive", interval_s=0.001)
         return reservation, first
 
 

@@ -8,23 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from flotilla.fleet.local import FleetConfig, LocalFleet
-from flotilla.tenancy.keys import KeyEntry, generate_key, hash_key, write_keys_file
 from loadtest import bench_serving, run_serving
 
-MODEL = "flotilla-tiny"
+from tests.support.fleet import MODEL, Fleet, fleet_config, start_fleet
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_checkpoint: Path, tmp_path_factory):
-    state_dir = tmp_path_factory.mktemp("loadtest-fleet")
-    keys = {"paid": generate_key(), "free": generate_key()}
-    write_keys_file(state_dir / "keys.json", [KeyEntry(f"k-{tier}", hash_key(key), f"t-{tier}", tier)
-                                              for tier, key in keys.items()])
-    config = FleetConfig(model_dir=tiny_checkpoint, state_dir=state_dir, model_name=MODEL,
-                         keys_file=state_dir / "keys.json", worker_args=["--num-kv-blocks", "256"], metrics=False)
-    with LocalFleet(config) as local_fleet:
-        yield local_fleet, keys
+def fleet(tiny_checkpoint: Path, tmp_path_factory) -> Fleet:
+    config = fleet_config(tiny_checkpoint, tmp_path_factory.mktemp("loadtest-fleet"),
+                          worker_args=["--num-kv-blocks", "256"], metrics=False)
+    with start_fleet(config, keys={"k-paid": ("t-paid", "paid"), "k-free": ("t-free", "free")}) as running:
+        yield running
 
 
 def _json_line(out: str) -> dict | list:
@@ -32,9 +26,9 @@ def _json_line(out: str) -> dict | list:
 
 
 def test_bench_serving_times_every_streamed_request(fleet, capsys):
-    local_fleet, keys = fleet
-    code = bench_serving.main(["--base-url", f"{local_fleet.gateway_url}/v1", "--model", MODEL, "--api-key",
-                               keys["paid"], "--num-prompts", "8", "--request-rate", "20", "--max-concurrency", "4",
+    code = bench_serving.main(["--base-url", f"{fleet.url}/v1", "--model", MODEL, "--api-key",
+                               fleet.keys["k-paid"], "--num-prompts", "8", "--request-rate", "20",
+                               "--max-concurrency", "4",
                                "--output-tokens", "4", "8", "--no-progress"])
     line = _json_line(capsys.readouterr().out)
     assert code == 0
@@ -45,19 +39,17 @@ def test_bench_serving_times_every_streamed_request(fleet, capsys):
 
 
 def test_failures_are_counted_by_http_status(fleet, capsys):
-    local_fleet, _ = fleet
-    code = bench_serving.main(["--base-url", f"{local_fleet.gateway_url}/v1", "--model", MODEL, "--api-key",
+    code = bench_serving.main(["--base-url", f"{fleet.url}/v1", "--model", MODEL, "--api-key",
                                "not-a-key", "--num-prompts", "3", "--no-progress"])
     line = _json_line(capsys.readouterr().out)
     assert code == 1 and line["num_ok"] == 0 and line["errors"] == {"401": 3}
 
 
 def test_report_with_tiers_and_an_ab_comparison(fleet, tmp_path, capsys):
-    local_fleet, keys = fleet
-    url = f"{local_fleet.gateway_url}/v1"
-    run_serving.main(["--base-url", url, "--model", MODEL, "--tenant", f"acme:paid:{keys['paid']}",
-                      "--tenant", f"hobby:free:{keys['free']}", "--compare-base-url", url,
-                      "--compare-api-key", keys["paid"], "--num-requests", "6", "--rate", "30", "--arrival", "bursty",
+    url, paid, free = f"{fleet.url}/v1", fleet.keys["k-paid"], fleet.keys["k-free"]
+    run_serving.main(["--base-url", url, "--model", MODEL, "--tenant", f"acme:paid:{paid}",
+                      "--tenant", f"hobby:free:{free}", "--compare-base-url", url,
+                      "--compare-api-key", paid, "--num-requests", "6", "--rate", "30", "--arrival", "bursty",
                       "--output-tokens", "2", "4", "--out", str(tmp_path)])
     summaries = _json_line(capsys.readouterr().out)
     assert [s["endpoint"] for s in summaries] == [f"A: {MODEL}", f"B: {MODEL}"]

@@ -4,7 +4,6 @@ emulator with the resources the operator touches declared (kmock knows only what
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import grpc
 import kmock
@@ -14,6 +13,8 @@ from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.router.v1 import router_pb2_grpc
 from flotilla.fleet.process import ServiceProcess
+
+from tests.support.fleet import start_service
 
 MODEL = "tiny"
 POOL_RESOURCE = "flotilla.dev/v1alpha1/inferencepools"
@@ -66,11 +67,7 @@ class FakeWorkers:
 
 @pytest.fixture(scope="module")
 def router(tmp_path_factory) -> ServiceProcess:
-    state = tmp_path_factory.mktemp("router")
-    process = ServiceProcess("router", ["router", "--model", MODEL], Path(state / "router.log"),
-                             Path(state / "router.port"))
-    process.start()
-    process.wait_port(60)
+    process = start_service(tmp_path_factory.mktemp("router"), "router", "router", "--model", MODEL)
     yield process
     process.stop()
 

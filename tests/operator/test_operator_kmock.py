@@ -4,7 +4,6 @@ Deployment and Service (owner references set), a change of signals scales it, st
 from __future__ import annotations
 
 import asyncio
-import time
 
 import kmock
 import kopf
@@ -12,6 +11,8 @@ import kopf
 from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.operator.config import OperatorConfig
 from flotilla.operator.handlers import register_handlers
+
+from tests.support.waiting import async_wait_until
 
 POOL = {
     "apiVersion": "flotilla.dev/v1alpha1",
@@ -32,14 +33,6 @@ POOL = {
 DEPLOYMENT = (kmock.resource("apps/v1/deployments"), "ns1", "decode-a-workers")
 SERVICE = (kmock.resource("v1/services"), "ns1", "decode-a-workers")
 POOL_KEY = (kmock.resource("flotilla.dev/v1alpha1/inferencepools"), "ns1", "decode-a")
-
-
-async def until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def _get(kube: kmock.KubernetesEmulator, key, *path):
@@ -66,7 +59,8 @@ async def test_pool_creates_deployment_scales_on_signals_and_writes_status(kube,
                                                  standalone=True, stop_flag=stop))
     try:
         await kube.post(f"/apis/flotilla.dev/v1alpha1/namespaces/ns1/inferencepools", json=POOL)
-        await until(lambda: _get(kube, DEPLOYMENT, "spec", "replicas") == 2, 20, "the Deployment at min + warm")
+        await async_wait_until(lambda: _get(kube, DEPLOYMENT, "spec", "replicas") == 2, 20,
+                               "the Deployment at min + warm")
         deployment = kube.objects[DEPLOYMENT].raw
         owner = deployment["metadata"]["ownerReferences"][0]
         assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == \
@@ -74,22 +68,25 @@ async def test_pool_creates_deployment_scales_on_signals_and_writes_status(kube,
         container = deployment["spec"]["template"]["spec"]["containers"][0]
         assert container["resources"] == {"limits": {"nvidia.com/gpu": "1"}}
         assert "--router" in container["args"] and router.address in container["args"]
-        await until(lambda: _get(kube, SERVICE, "spec", "clusterIP") == "None", 20, "the headless Service")
+        await async_wait_until(lambda: _get(kube, SERVICE, "spec", "clusterIP") == "None", 20,
+                               "the headless Service")
 
         # Its two pods register (in rotation, as new pods do): the operator demotes one to the warm pool.
         workers.add("decode-a-0")
         workers.add("decode-a-1")
-        await until(lambda: sorted(workers.states().values()) == [rpb.WORKER_STATE_ACTIVE, rpb.WORKER_STATE_WARM],
-                    20, "one active, one warm")
-        await until(lambda: _get(kube, POOL_KEY, "status", "warmReplicas") == 1, 20, "status written")
+        one_of_each = [rpb.WORKER_STATE_ACTIVE, rpb.WORKER_STATE_WARM]
+        await async_wait_until(lambda: sorted(workers.states().values()) == one_of_each, 20, "one active, one warm")
+        await async_wait_until(lambda: _get(kube, POOL_KEY, "status", "warmReplicas") == 1, 20, "status written")
 
         # Signals change: 3500 queued tokens at 1000 per replica -> 4 active: the warm one is promoted,
         # two more pods and the warm refill are added to the Deployment.
         active = [w for w, s in workers.states().items() if s == rpb.WORKER_STATE_ACTIVE][0]
         workers.set_load(active, 3500)
-        await until(lambda: _get(kube, DEPLOYMENT, "spec", "replicas") == 5, 20, "scale-up to 4 active + 1 warm")
+        await async_wait_until(lambda: _get(kube, DEPLOYMENT, "spec", "replicas") == 5, 20,
+                               "scale-up to 4 active + 1 warm")
         assert set(workers.states().values()) == {rpb.WORKER_STATE_ACTIVE}
-        await until(lambda: _get(kube, POOL_KEY, "status", "signals", "queuedTokens") == 3500, 20, "signals")
+        await async_wait_until(lambda: _get(kube, POOL_KEY, "status", "signals", "queuedTokens") == 3500, 20,
+                               "signals")
         status = kube.objects[POOL_KEY].raw["status"]
         assert (status["desiredReplicas"], status["activeReplicas"], status["warmReplicas"]) == (5, 4, 1)
         assert status["lastDecision"]["reason"]  # "up 1->4 (queued tokens 3500): ..." then "hold"

@@ -19,7 +19,10 @@ from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.router.v1 import router_pb2_grpc
 from flotilla.operator.config import OperatorConfig
 from flotilla.operator.handlers import register_handlers
-from .test_operator_kmock import POOL, _get, until
+
+from tests.support.waiting import async_wait_until
+
+from .test_operator_kmock import POOL, _get
 
 NUM_DECODE = 3
 # 6000 prompt / 1000 output tokens at 4000 / 1000 tokens/s per replica: ratio 1.5 -> ceil(3 x 1.5) = 5.
@@ -80,20 +83,24 @@ async def test_prefill_pool_scales_to_the_ratio_of_the_decode_pool(kube, router_
         # Alone, the prefill pool holds its own minimum: there is no decode pool to follow.
         await kube.post("/apis/flotilla.dev/v1alpha1/namespaces/ns1/inferencepools",
                         json=pool("prefill-a", "prefill", {"min": 1, "max": 8, "warm": 0}))
-        await until(lambda: _get(kube, prefill_pool, "status", "lastDecision", "time") is not None, 20,
-                    "the prefill pool's first decision")
+        await async_wait_until(lambda: _get(kube, prefill_pool, "status", "lastDecision", "time") is not None, 20,
+                               "the prefill pool's first decision")
         assert _get(kube, prefill_deployment, "spec", "replicas") == 1
         assert "ratio" not in _get(kube, prefill_pool, "status", "lastDecision", "reason")
 
         # A decode pool of the model at 3 active replicas: the prefill pool grows to the ratio's 5.
         await kube.post("/apis/flotilla.dev/v1alpha1/namespaces/ns1/inferencepools",
                         json=pool("decode-a", "decode", {"min": NUM_DECODE, "max": 6, "warm": 0}))
-        await until(lambda: _get(kube, keys("decode-a")[1], "status", "activeReplicas") == NUM_DECODE, 20,
-                    "the decode pool's status")
-        await until(lambda: _get(kube, prefill_deployment, "spec", "replicas") == 5, 20,
-                    "the prefill Deployment at the ratio's 5 replicas")
-        await until(lambda: "ratio 1.50" in (_get(kube, prefill_pool, "status", "lastDecision", "reason") or ""),
-                    20, "the ratio in the prefill pool's last decision")
+        await async_wait_until(lambda: _get(kube, keys("decode-a")[1], "status", "activeReplicas") == NUM_DECODE,
+                               20, "the decode pool's status")
+        await async_wait_until(lambda: _get(kube, prefill_deployment, "spec", "replicas") == 5, 20,
+                               "the prefill Deployment at the ratio's 5 replicas")
+
+        def last_reason() -> str:
+            return _get(kube, prefill_pool, "status", "lastDecision", "reason") or ""
+
+        await async_wait_until(lambda: "ratio 1.50" in last_reason(), 20,
+                               "the ratio in the prefill pool's last decision")
         status = kube.objects[prefill_pool].raw["status"]
         assert (status["desiredReplicas"], status["activeReplicas"]) == (5, 5)
         assert f"x {NUM_DECODE} decode -> at least 5" in status["lastDecision"]["reason"]

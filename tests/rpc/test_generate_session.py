@@ -15,6 +15,8 @@ from flotilla.router.failover import LOST_STATUSES
 from flotilla.rpc.session_client import SessionClient
 from flotilla.rpc.session_server import serve_session
 
+from tests.support.waiting import async_wait_until
+
 
 class ScriptedWorker(worker_pb2_grpc.WorkerServiceServicer):
     """request.model picks the behaviour; max_tokens is the number of chunks."""
@@ -102,7 +104,7 @@ async def test_cancel_aborts_only_that_stream(served):
     assert hanging.cancel() is False  # already ended
     with pytest.raises(StopAsyncIteration):
         await anext(hanging)
-    await _until(lambda: "hang" in worker.cancelled)
+    await async_wait_until(lambda: "hang" in worker.cancelled, 10, "the worker to see hang cancelled")
     assert (await _drain(other))[-1].finished.reason == pb.FINISH_REASON_LENGTH
     assert "other" not in worker.cancelled
 
@@ -123,7 +125,7 @@ async def test_deadline_fails_the_stream_and_cancels_the_handler(served):
     with pytest.raises(grpc.aio.AioRpcError) as failure:
         await _drain(stream)
     assert failure.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    await _until(lambda: "late" in worker.cancelled)
+    await async_wait_until(lambda: "late" in worker.cancelled, 10, "the worker to see late cancelled")
 
 
 async def test_peer_going_away_fails_every_open_stream_as_lost_then_a_new_session_opens(served):
@@ -136,7 +138,7 @@ async def test_peer_going_away_fails_every_open_stream_as_lost_then_a_new_sessio
         with pytest.raises(grpc.aio.AioRpcError) as failure:
             await _drain(stream)
         assert failure.value.code() in LOST_STATUSES  # the router's failover takes these over
-    await _until(lambda: len(worker.cancelled) == 3)
+    await async_wait_until(lambda: len(worker.cancelled) == 3, 10, "the worker to see 3 streams cancelled")
     with pytest.raises(grpc.aio.AioRpcError) as refused:  # nothing listens now: a fresh session, refused
         await _drain(client.generate(_request("after")))
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -147,16 +149,10 @@ async def test_closing_the_client_cancels_the_callees_streams(served):
     stream = client.generate(_request("h", "hang", num_chunks=1))
     await anext(stream)
     client.close()
-    await _until(lambda: "h" in worker.cancelled)
+    await async_wait_until(lambda: "h" in worker.cancelled, 10, "the worker to see h cancelled")
     with pytest.raises(grpc.aio.AioRpcError) as closed:
         await _drain(stream)
     assert closed.value.code() == grpc.StatusCode.CANCELLED
-
-
-async def _until(predicate, timeout_s: float = 10.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.01)
 
 
 def test_long_prompts_travel_in_several_messages():
@@ -193,7 +189,7 @@ async def test_a_deadline_that_passes_while_events_flow_fails_the_stream(served)
         async for _ in stream:
             received += 1
     assert failure.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and 0 < received < 1000
-    await _until(lambda: "steady" in worker.cancelled)
+    await async_wait_until(lambda: "steady" in worker.cancelled, 10, "the worker to see steady cancelled")
 
 
 async def test_a_direct_handler_takes_responses_as_they_arrive_and_leaves_the_end_to_iteration(served):

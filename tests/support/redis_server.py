@@ -7,11 +7,12 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import redis
+
+from tests.support.waiting import wait_until
 
 START_TIMEOUT_S = 20.0
 
@@ -46,20 +47,18 @@ class RedisServer:
         return self
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5, socket_timeout=0.5)
+
+        def answers() -> bool:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.popen.returncode}: {self.log_tail()}")
+            return client.ping()
+
         try:
-            while time.monotonic() < deadline:
-                if self.popen.poll() is not None:
-                    raise RuntimeError(f"redis-server exited with {self.popen.returncode}: {self.log_tail()}")
-                try:
-                    if client.ping():
-                        return
-                except redis.exceptions.ConnectionError:
-                    time.sleep(0.02)
+            wait_until(answers, START_TIMEOUT_S, lambda: f"redis-server to answer PING: {self.log_tail()}",
+                       interval_s=0.02, ignore=(redis.exceptions.ConnectionError,))
         finally:
             client.close()
-        raise RuntimeError(f"redis-server not ready within {START_TIMEOUT_S} s: {self.log_tail()}")
 
     def stop(self) -> None:
         """SIGTERM: Redis saves its data (a save point is configured) and exits."""

@@ -3,8 +3,6 @@ fail-open carries on with remembered keys and local limits; both recover on thei
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from flotilla.tenancy.errors import BackendUnavailable
@@ -15,17 +13,12 @@ from flotilla.tenancy.redis_conn import connect
 from flotilla.tenancy.redis_keys import RedisKeyStore
 from flotilla.tenancy.redis_quota import RedisQuotaStore
 
+from tests.support.waiting import async_wait_until
+
 
 def make_gatekeeper(url: str, mode: FailMode) -> Gatekeeper:
     client = connect(url, timeout_s=0.5)
     return Gatekeeper(RedisKeyStore(client), RedisQuotaStore(client), client, mode, retry_interval_s=0.1)
-
-
-async def wait_until(predicate, timeout_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not await predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
 
 
 @pytest.mark.parametrize("mode", [FailMode.CLOSED, FailMode.OPEN])
@@ -56,7 +49,7 @@ async def test_redis_outage_then_recovery(redis_server_factory, mode):
     await gate.settle(held, 10)  # Redis down: logged, never raised
 
     server.start()  # same port, data saved at the stop
-    await wait_until(gate.check)
+    await async_wait_until(gate.check, 10, "the gatekeeper to reach Redis again", interval_s=0.05)
     assert not gate.degraded
     assert await gate.authenticate(key) == entry
     with pytest.raises(QuotaExceeded):  # r1's 60 tokens are still in the shared window

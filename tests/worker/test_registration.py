@@ -12,14 +12,7 @@ from flotilla.router.server import serve
 from flotilla.rpc.options import aio_channel, read_port_file
 from flotilla.worker.registration import RouterLink
 
-from tests.support.waiting import POLL_S, until
-
-
-async def until_async(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not await predicate():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(POLL_S)
+from tests.support.waiting import async_wait_until
 
 
 async def test_worker_registers_again_when_the_router_forgets_it(tmp_path):
@@ -27,7 +20,7 @@ async def test_worker_registers_again_when_the_router_forgets_it(tmp_path):
     stop = asyncio.Event()
     config = RouterConfig(port_file=str(port_file), heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5)
     router = asyncio.create_task(serve(config, stop))
-    await until(lambda: read_port_file(port_file) is not None or router.done(), what="the router to serve")
+    await async_wait_until(lambda: read_port_file(port_file) is not None or router.done(), what="the router to serve")
     address = f"127.0.0.1:{read_port_file(port_file)}"
     channel = aio_channel(address)
     stub = router_pb2_grpc.RouterServiceStub(channel)
@@ -49,13 +42,13 @@ async def test_worker_registers_again_when_the_router_forgets_it(tmp_path):
     link._register = counting_register
     link.start()
     try:
-        await until_async(lambda: _contains(registered_ids(), "w1"), what="registration")
+        await async_wait_until(lambda: _contains(registered_ids(), "w1"), what="registration")
         # The link reports its load right after registering (a second call, so ListWorkers may land between).
-        await until_async(lambda: _reported(stub, blocks=8), what="the first load report")
+        await async_wait_until(lambda: _reported(stub, blocks=8), what="the first load report")
         assert (await stub.ListWorkers(rpb.ListWorkersRequest())).workers[0].healthy
         await stub.DeregisterWorker(rpb.DeregisterWorkerRequest(worker_id="w1"))
         # The next heartbeat is answered known=false; the link registers again.
-        await until_async(lambda: _registered_again(registered_ids(), lambda: num_registrations),
+        await async_wait_until(lambda: _registered_again(registered_ids(), lambda: num_registrations),
                           what="re-registration")
         await link.stop()
         assert "w1" not in await registered_ids()  # deregistered on stop

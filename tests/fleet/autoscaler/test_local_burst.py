@@ -8,19 +8,15 @@ import asyncio
 import time
 from pathlib import Path
 
-import grpc
-import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from flotilla.api.router.v1 import router_pb2 as rpb
-from flotilla.api.router.v1 import router_pb2_grpc
 from flotilla.autoscaling.policy import PoolPolicy
-from flotilla.fleet.local import FleetConfig, LocalFleet
-from flotilla.tenancy.keys import KeyEntry, generate_key, hash_key, write_keys_file
 
-MODEL = "flotilla-tiny"
+from tests.support.fleet import MODEL, Fleet, fleet_config, start_fleet
+from tests.support.waiting import wait_until
+
 BASELINE = 4  # concurrent requests one worker takes (the router's per-worker request cap)
 PROMPT = "Tell me a long story about ships, harbours, lighthouses, tides and the sea. " * 3
 # Baseline load (4 prompts on the worker) stays under the target; a 3x burst queues 8 more in the router.
@@ -28,32 +24,13 @@ POLICY = PoolPolicy(min_replicas=1, max_replicas=2, warm_replicas=1, target_queu
                     ttft_p95_slo_s=60.0, scale_down_cooldown_s=3600.0)
 
 
-def _workers(address: str) -> dict[str, rpb.WorkerStatus]:
-    with grpc.insecure_channel(address) as channel:
-        response = router_pb2_grpc.RouterServiceStub(channel).ListWorkers(rpb.ListWorkersRequest(), timeout=5)
-    return {status.worker.worker_id: status for status in response.workers}
-
-
-def _until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.02)
-
-
 @pytest.fixture(scope="module")
-def fleet(tiny_checkpoint: Path, tmp_path_factory):
-    state_dir = tmp_path_factory.mktemp("autoscale-fleet")
-    api_key = generate_key()
-    write_keys_file(state_dir / "keys.json", [KeyEntry("k", hash_key(api_key), "tenant-a", "paid")])
-    config = FleetConfig(
-        model_dir=tiny_checkpoint, state_dir=state_dir, model_name=MODEL, keys_file=state_dir / "keys.json",
-        worker_args=["--num-kv-blocks", "256"], router_args=["--max-requests-per-worker", str(BASELINE)],
-        autoscale=POLICY,
-    )
-    with LocalFleet(config) as local_fleet:
-        yield local_fleet, api_key
+def fleet(tiny_checkpoint: Path, tmp_path_factory) -> Fleet:
+    config = fleet_config(tiny_checkpoint, tmp_path_factory.mktemp("autoscale-fleet"),
+                          worker_args=["--num-kv-blocks", "256"],
+                          router_args=["--max-requests-per-worker", str(BASELINE)], autoscale=POLICY)
+    with start_fleet(config, keys={"k": ("tenant-a", "paid")}) as running:
+        yield running
 
 
 async def _timed(client: openai.AsyncOpenAI, prompt: str) -> tuple[float, int]:
@@ -80,34 +57,31 @@ async def _burst(base_url: str, api_key: str, prompts: list[str], concurrent: bo
 
 
 def test_burst_promotes_the_warm_worker_and_refills_the_warm_pool(fleet):
-    local_fleet, api_key = fleet
-    router = local_fleet.router_address
-    _until(lambda: [s.state for s in _workers(router).values()].count(rpb.WORKER_STATE_WARM) == 1, 120,
-           "the supervisor to start one warm worker")
-    before = _workers(router)
+    wait_until(lambda: _states(fleet).count(rpb.WORKER_STATE_WARM) == 1, 120, "the supervisor to start one warm worker")
+    before = fleet.router_workers()
     (warm_id,) = [wid for wid, s in before.items() if s.state == rpb.WORKER_STATE_WARM]
     assert [s.state for s in before.values()].count(rpb.WORKER_STATE_ACTIVE) == 1
 
     burst_started = time.monotonic()
-    results = asyncio.run(_burst(local_fleet.gateway_url, api_key, [f"{i}: {PROMPT}" for i in range(3 * BASELINE)]))
+    results = asyncio.run(_burst(fleet.url, fleet.api_key, [f"{i}: {PROMPT}" for i in range(3 * BASELINE)]))
     assert len(results) == 3 * BASELINE and all(tokens > 0 for _, tokens in results)
 
-    promotions = [e for e in local_fleet.supervisor.events if warm_id in e.promoted]
-    assert promotions, [e.reason for e in local_fleet.supervisor.events]
+    promotions = [e for e in fleet.fleet.supervisor.events if warm_id in e.promoted]
+    assert promotions, [e.reason for e in fleet.fleet.supervisor.events]
     print(f"\nwarm worker promoted {promotions[0].at_s - burst_started:.3f} s after the burst started: "
           f"{promotions[0].reason}")
-    after = _workers(router)
+    after = fleet.router_workers()
     assert after[warm_id].state == rpb.WORKER_STATE_ACTIVE
     assert after[warm_id].load.num_output_tokens_total > 0  # it served part of the burst
     # The pool grew to max_replicas and a fresh worker refills the warm pool behind the promotion.
-    _until(lambda: sorted(s.state for s in _workers(router).values()) ==
-           [rpb.WORKER_STATE_ACTIVE, rpb.WORKER_STATE_ACTIVE, rpb.WORKER_STATE_WARM], 120, "warm pool refill")
+    refilled = [rpb.WORKER_STATE_ACTIVE, rpb.WORKER_STATE_ACTIVE, rpb.WORKER_STATE_WARM]
+    wait_until(lambda: sorted(_states(fleet)) == refilled, 120, "warm pool refill")
     # The supervisor's gauges, scraped from its /metrics (served by the launcher process): 2 active + 1 warm.
-    _until(lambda: _autoscaler_gauges(local_fleet) == {"desired": 3.0, "actual": 3.0, "active": 2.0, "warm": 1.0},
-           30, "the autoscaler gauges to show the refilled pool")
+    wait_until(lambda: _autoscaler_gauges(fleet) == {"desired": 3.0, "actual": 3.0, "active": 2.0, "warm": 1.0},
+               30, "the autoscaler gauges to show the refilled pool")
     # Paid TTFT recovers: with the promoted worker in rotation, paid requests no longer queue behind the burst.
     # (A comparison within one run, with a wide margin: queued burst requests wait for a slot, probes do not.)
-    probes = asyncio.run(_burst(local_fleet.gateway_url, api_key, [f"probe {i}: {PROMPT}" for i in range(3)],
+    probes = asyncio.run(_burst(fleet.url, fleet.api_key, [f"probe {i}: {PROMPT}" for i in range(3)],
                                 concurrent=False))
     burst_ttfts = sorted(ttft for ttft, _ in results)
     median_burst = burst_ttfts[len(burst_ttfts) // 2]
@@ -116,29 +90,28 @@ def test_burst_promotes_the_warm_worker_and_refills_the_warm_pool(fleet):
     assert max(ttft for ttft, _ in probes) < median_burst
 
 
-def _autoscaler_gauges(local_fleet: LocalFleet) -> dict[str, float]:
-    text = httpx.get(f"http://{local_fleet.metrics_targets()['autoscaler']}/metrics", timeout=5).text
+def _states(fleet: Fleet) -> list[int]:
+    return [status.state for status in fleet.router_workers().values()]
+
+
+def _autoscaler_gauges(fleet: Fleet) -> dict[str, float]:
     prefix, suffix = "flotilla_autoscaler_", "_replicas"
-    return {sample.name[len(prefix):-len(suffix)]: sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples
+    return {sample.name[len(prefix):-len(suffix)]: sample.value for sample in fleet.metric_samples("autoscaler")
             if sample.name.startswith(prefix) and sample.labels.get("model") == MODEL}
 
 
 def test_idle_pool_drains_back_to_min_and_stops_the_drained_worker(fleet):
-    local_fleet, _ = fleet
-    router = local_fleet.router_address
-    supervisor = local_fleet.supervisor
-    _until(lambda: len(_workers(router)) == 3, 120, "the fleet of the burst test")
+    supervisor = fleet.fleet.supervisor
+    wait_until(lambda: len(fleet.router_workers()) == 3, 120, "the fleet of the burst test")
     # Shorten the cooldown now: the idle pool steps down 2 -> 1, draining one worker (the warm pool is full).
     supervisor.config = type(supervisor.config)(
         supervisor.config.model, PoolPolicy(**{**POLICY.__dict__, "scale_down_cooldown_s": 0.0}))
-    _until(lambda: [s.state for s in _workers(router).values()].count(rpb.WORKER_STATE_ACTIVE) == 1, 30,
-           "scale-down to min_replicas")
+    wait_until(lambda: _states(fleet).count(rpb.WORKER_STATE_ACTIVE) == 1, 30, "scale-down to min_replicas")
     # The leaving replica is drained at once, or (when the supervisor still counted the warm pool short)
     # demoted to warm and the surplus warm one drained next: either way exactly one worker is drained.
-    _until(lambda: any(e.drained for e in supervisor.events), 30, "a worker to be drained")
+    wait_until(lambda: any(e.drained for e in supervisor.events), 30, "a worker to be drained")
     drained = [wid for e in supervisor.events for wid in e.drained]
     assert len(drained) == 1
     # Drained: it leaves the router (deregisters on SIGTERM) and its process exits.
-    _until(lambda: drained[0] not in _workers(router), 30, "the drained worker to leave the router")
-    assert all(w.name != drained[0] for w in local_fleet.workers)
+    wait_until(lambda: drained[0] not in fleet.router_workers(), 30, "the drained worker to leave the router")
+    assert all(w.name != drained[0] for w in fleet.fleet.workers)

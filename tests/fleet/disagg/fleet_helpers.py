@@ -1,34 +1,35 @@
-"""Disaggregated fleets for tests: real router, gateway, prefill and decode worker processes on loopback."""
+"""Disaggregated fleets for tests (real router, gateway, prefill and decode worker processes on loopback, started
+with tests/support/fleet.py) and what the disaggregation tests read from their workers: KV state, KV bytes."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-from flotilla.api.common.v1 import common_pb2
 from flotilla.api.kvtransfer.v1 import kv_transfer_pb2 as kpb
 from flotilla.api.kvtransfer.v1 import kv_transfer_pb2_grpc
-from flotilla.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.engine import LLMEngine
 from flotilla.fleet.local import FleetConfig, LocalFleet
 from flotilla.fleet.process import ServiceProcess
 
-MODEL = "flotilla-tiny"
+from tests.support import fleet as support_fleet
+from tests.support.fleet import MODEL, metric_samples  # noqa: F401  (MODEL: for the tests)
+from tests.support.waiting import wait_until
+
+# The disaggregation tests' short names for the shared helpers.
+from tests.support.fleet import worker_load as load  # noqa: F401
+from tests.support.waiting import wait_until as until  # noqa: F401
+
 NUM_KV_BLOCKS = 512
 MAX_BATCHED_TOKENS = 128  # prompts over this are prefilled in chunks: one round of layer writes per chunk
 
 
 def fleet_config(checkpoint: Path, state_dir: Path, num_prefill: int, num_decode: int, *extra: str) -> FleetConfig:
-    return FleetConfig(
-        model_dir=checkpoint,
-        state_dir=state_dir,
-        model_name=MODEL,
+    return support_fleet.fleet_config(
+        checkpoint,
+        state_dir,
         num_workers=0,
         num_prefill_workers=num_prefill,
         num_decode_workers=num_decode,
@@ -48,12 +49,6 @@ def kv_state(worker: ServiceProcess) -> kpb.KVState:
         return kv_transfer_pb2_grpc.KVTransferServiceStub(channel).GetKVState(kpb.GetKVStateRequest(), timeout=10)
 
 
-def load(worker: ServiceProcess) -> common_pb2.LoadReport:
-    with grpc.insecure_channel(worker.address) as channel:
-        return worker_pb2_grpc.WorkerServiceStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
-
-
-
 def workers_with_role(fleet: LocalFleet, role: str) -> list[ServiceProcess]:
     return [w for w in fleet.workers if w.is_running() and ["--role", role] == _role_args(w)]
 
@@ -62,18 +57,6 @@ def _role_args(worker: ServiceProcess) -> list[str]:
     args = list(worker.args)
     index = len(args) - 1 - args[::-1].index("--role")
     return args[index : index + 2]
-
-
-def until(condition: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.005):
-    """Poll `condition` until it returns something truthy; that value is returned."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(interval_s)
 
 
 def assert_clean(workers: list[ServiceProcess], timeout_s: float = 30.0) -> list[kpb.KVState]:
@@ -90,15 +73,13 @@ def assert_clean(workers: list[ServiceProcess], timeout_s: float = 30.0) -> list
         )  # fmt: skip
         return states if ok else None
 
-    try:
-        return until(clean, timeout_s, "every worker to be idle with all blocks free", interval_s=0.05)
-    except AssertionError:
-        raise AssertionError(f"not clean: {[kv_state(w) for w in workers]}") from None
+    def not_clean() -> str:
+        return f"every worker to be idle with all blocks free; not clean: {[kv_state(w) for w in workers]}"
+
+    return wait_until(clean, timeout_s, not_clean, interval_s=0.05)
 
 
 def kv_transfer_bytes(fleet: LocalFleet, worker: ServiceProcess, direction: str) -> float:
     """flotilla_kv_transfer_bytes_total{direction} scraped from the worker's /metrics (0 before any transfer)."""
-    target = fleet.metrics_targets()[worker.name]
-    text = httpx.get(f"http://{target}/metrics", timeout=10).text
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+    return sum(sample.value for sample in metric_samples(fleet.metrics_targets()[worker.name])
                if sample.name == "flotilla_kv_transfer_bytes_total" and sample.labels.get("direction") == direction)

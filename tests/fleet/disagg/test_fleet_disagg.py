@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import openai
 
-from flotilla.api.router.v1 import router_pb2, router_pb2_grpc
 from flotilla.engine.sampling_params import SamplingParams
+
+from tests.support.fleet import router_workers
 
 from .fleet_helpers import MODEL, assert_clean, kv_state, kv_transfer_bytes, load, until, workers_with_role
 
@@ -24,7 +24,7 @@ def _text(i: int, num_words: int) -> str:
 
 
 def _client(fleet) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.AsyncOpenAI(base_url=f"{fleet.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 async def _complete(client: openai.AsyncOpenAI, text: str, max_tokens: int, stream: bool):
@@ -81,9 +81,7 @@ def kv_transfer_bytes_by(fleet, workers, direction: str) -> float:
 
 
 def _router_report(fleet, worker_id: str):
-    with grpc.insecure_channel(fleet.router_address) as channel:
-        workers = router_pb2_grpc.RouterServiceStub(channel).ListWorkers(router_pb2.ListWorkersRequest(), timeout=5)
-    return next(w.load for w in workers.workers if w.worker.worker_id == worker_id)
+    return router_workers(fleet.router_address)[worker_id].load
 
 
 def test_shared_system_prompt_spreads_within_load_cap_with_prefix_hits(disagg_fleet):

@@ -16,6 +16,8 @@ from flotilla.engine.engine import LLMEngine
 from flotilla.engine.sampling_params import SamplingParams
 from flotilla.fleet.local import LocalFleet
 
+from tests.support.fleet import num_healthy_workers
+
 from .fleet_helpers import MODEL, NUM_KV_BLOCKS, assert_clean, fleet_config, kv_state, until, workers_with_role
 
 CHUNK = 32
@@ -109,10 +111,4 @@ def test_kill_decode_worker_mid_transfer_frees_prefill_side(fleet):
 
 
 def _registered(fleet: LocalFleet, count: int) -> bool:
-    import grpc
-
-    from flotilla.api.router.v1 import router_pb2, router_pb2_grpc
-
-    with grpc.insecure_channel(fleet.router_address) as channel:
-        workers = router_pb2_grpc.RouterServiceStub(channel).ListWorkers(router_pb2.ListWorkersRequest(), timeout=5)
-    return sum(1 for w in workers.workers if w.healthy) >= count
+    return num_healthy_workers(fleet.router_address) >= count

@@ -4,12 +4,13 @@ a client that vanishes mid-stream has its request aborted and its KV blocks free
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
 
 from flotilla.engine.sampling_params import SamplingParams
+
+from tests.support.waiting import wait_until
 
 ROUTES = {"anthropic": "/v1/messages", "openai": "/v1/chat/completions"}
 
@@ -67,7 +68,7 @@ def test_bad_input_gets_dialect_error(fleet, dialect, case, status, anthropic_ty
         content = json.dumps(_body(fleet, messages=[{"role": "user", "content": "x" * (5 << 20)}])).encode()
     elif case == "prompt_too_long":
         content = json.dumps(_body(fleet, max_tokens=2000, messages=[{"role": "user", "content": "ship " * 400}])).encode()
-    response = httpx.post(fleet.base_url + ROUTES[dialect], content=content, headers=headers, timeout=30)
+    response = httpx.post(fleet.url + ROUTES[dialect], content=content, headers=headers, timeout=30)
     assert response.status_code == status, response.text
     assert _error_type(dialect, response) == (anthropic_type if dialect == "anthropic" else openai_type)
     if case == "prompt_too_long":
@@ -93,7 +94,7 @@ def test_client_disconnect_aborts_and_frees_blocks(fleet, offline_engine, dialec
     body = _body(fleet, max_tokens=1500, stream=True, messages=[{"role": "user", "content": text}])
     tokens_before = fleet.worker_load().num_output_tokens_total
     with httpx.Client(timeout=30) as client:
-        with client.stream("POST", fleet.base_url + ROUTES[dialect], json=body, headers=_headers(fleet, dialect)) as r:
+        with client.stream("POST", fleet.url + ROUTES[dialect], json=body, headers=_headers(fleet, dialect)) as r:
             assert r.status_code == 200
             lines = 0
             for line in r.iter_lines():
@@ -102,12 +103,12 @@ def test_client_disconnect_aborts_and_frees_blocks(fleet, offline_engine, dialec
                     assert fleet.worker_load().active_request_ids  # it is running now
                 if lines >= 5:
                     break  # leaving the loop closes the connection mid-stream
-    deadline = time.monotonic() + 10
-    load = fleet.worker_load()
-    while (load.active_request_ids or load.num_free_blocks != load.num_total_blocks) and time.monotonic() < deadline:
-        time.sleep(0.02)
+
+    def aborted_and_freed():
         load = fleet.worker_load()
-    assert not load.active_request_ids
-    assert load.num_free_blocks == load.num_total_blocks
+        return load if not load.active_request_ids and load.num_free_blocks == load.num_total_blocks else None
+
+    load = wait_until(aborted_and_freed, 10, lambda: f"the request aborted and its blocks freed: {fleet.worker_load()}",
+                      interval_s=0.02)
     # Aborted long before its 1500 tokens (a few steps on a quiet machine; generous for a loaded one).
     assert load.num_output_tokens_total - tokens_before < 400

@@ -107,8 +107,8 @@ def test_sdks_match_offline_engine_under_concurrency(fleet, offline_engine):
     expected = [_expected(offline_engine, case) for case in cases]
 
     async def run_all():
-        oai = openai.AsyncOpenAI(base_url=f"{fleet.base_url}/v1", api_key=fleet.api_key, max_retries=0)
-        claude = anthropic.AsyncAnthropic(base_url=fleet.base_url, api_key=fleet.api_key, max_retries=0)
+        oai = openai.AsyncOpenAI(base_url=f"{fleet.url}/v1", api_key=fleet.api_key, max_retries=0)
+        claude = anthropic.AsyncAnthropic(base_url=fleet.url, api_key=fleet.api_key, max_retries=0)
         async with oai, claude:
             return await asyncio.gather(*[_run(case, oai, claude, fleet.model) for case in cases])
 
@@ -129,7 +129,7 @@ def test_usage_counts_generated_tokens(fleet, offline_engine):
     text = "Count my tokens, please."
     prompt = offline_engine.tokenizer.encode_chat([{"role": "user", "content": text}])
     (result,) = offline_engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))
-    client = openai.OpenAI(base_url=f"{fleet.base_url}/v1", api_key=fleet.api_key, max_retries=0)
+    client = openai.OpenAI(base_url=f"{fleet.url}/v1", api_key=fleet.api_key, max_retries=0)
     r = client.chat.completions.create(
         model=fleet.model, messages=[{"role": "user", "content": text}], max_tokens=12, temperature=0
     )
@@ -140,8 +140,8 @@ def test_usage_counts_generated_tokens(fleet, offline_engine):
 
 def test_bad_key_is_refused_by_both_sdks(fleet):
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=f"{fleet.base_url}/v1", api_key="fl-wrong", max_retries=0).models.list()
+        openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="fl-wrong", max_retries=0).models.list()
     with pytest.raises(anthropic.AuthenticationError):
-        anthropic.Anthropic(base_url=fleet.base_url, api_key="fl-wrong", max_retries=0).messages.create(
+        anthropic.Anthropic(base_url=fleet.url, api_key="fl-wrong", max_retries=0).messages.create(
             model=fleet.model, max_tokens=4, messages=[{"role": "user", "content": "hi"}]
         )

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from .fleet import MODEL
+from tests.support.fleet import MODEL
 
 
 @dataclass

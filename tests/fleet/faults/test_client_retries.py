@@ -8,13 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 
-import grpc
 import httpx
 import pytest
 
-from flotilla.api.worker.v1 import worker_pb2, worker_pb2_grpc
+from tests.support.fleet import MODEL, fleet_config, start_fleet
+from tests.support.waiting import wait_until
 
-from .fleet import MODEL, start_fleet, wait_for
+from .conftest import KEY_ID, TENANT
 from .sse_client import StreamResult, completion_body, read_events, stream_completion
 
 GRACE_S = 2.0
@@ -24,19 +24,15 @@ RESUMABLE = {"x-flotilla-resumable": "true"}
 @pytest.fixture(scope="module")
 def fleet(tiny_checkpoint, tmp_path_factory, redis_server):
     redis_server.flush()
-    fault_fleet = start_fleet(tiny_checkpoint, tmp_path_factory.mktemp("retries"), redis_server.url, num_workers=1)
-    fault_fleet.fleet.gateway.args += ["--stream-resume-grace-s", str(GRACE_S)]
-    fault_fleet.restart_gateway()
-    try:
-        yield fault_fleet
-    finally:
-        fault_fleet.fleet.stop()
+    config = fleet_config(tiny_checkpoint, tmp_path_factory.mktemp("retries"), worker_args=["--num-kv-blocks", "512"],
+                          gateway_args=["--stream-resume-grace-s", str(GRACE_S)], metrics=False)
+    with start_fleet(config, redis=redis_server) as running:
+        running.create_key(TENANT, key_id=KEY_ID)
+        yield running
 
 
 def _active_requests(fleet) -> list[str]:
-    with grpc.insecure_channel(fleet.fleet.workers[0].address) as channel:
-        load = worker_pb2_grpc.WorkerServiceStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
-    return list(load.active_request_ids)
+    return list(fleet.worker_load().active_request_ids)
 
 
 def _post(fleet, path: str, body: dict, key: str | None, **headers) -> httpx.Response:
@@ -94,7 +90,7 @@ async def test_gateway_killed_and_restarted_each_request_runs_and_is_billed_once
 
     async with httpx.AsyncClient(timeout=120) as client:
         calls = [asyncio.ensure_future(call_until_answered(client, key)) for key in bodies]
-        await asyncio.to_thread(wait_for, lambda: len(_active_requests(fleet)) >= 4, 30, "requests running")
+        await asyncio.to_thread(wait_until, lambda: len(_active_requests(fleet)) >= 4, 30, "requests running", 0.05)
         await asyncio.to_thread(fleet.restart_gateway)  # kill -9 mid-request, then start it again
         answers = await asyncio.wait_for(asyncio.gather(*calls), 120)
         replays = [await call_until_answered(client, key) for key in bodies]
@@ -170,15 +166,15 @@ async def test_no_reconnect_within_the_grace_period_cancels(fleet):
         first, stream_id = await _read_until(client, fleet, body, RESUMABLE, 2)
         request_id = first.request_id
         assert request_id in _active_requests(fleet)  # still generating without a client
-        await asyncio.to_thread(wait_for, lambda: request_id not in _active_requests(fleet), 10 * GRACE_S,
-                                "the abort")
+        await asyncio.to_thread(wait_until, lambda: request_id not in _active_requests(fleet), 10 * GRACE_S,
+                                "the abort", 0.05)
         gone = await client.get(f"{fleet.url}/v1/streams/{stream_id}", headers=fleet.headers)
     assert gone.status_code == 404
 
     def record():
         return [r for r in fleet.ledger() if r.request_id == request_id]
 
-    wait_for(lambda: record(), 10, "the cancelled request's usage record")
+    wait_until(lambda: record(), 10, "the cancelled request's usage record", interval_s=0.05)
     assert record()[0].status == "cancelled" and 0 < record()[0].output_tokens < 1500  # billed what was made
 
 

@@ -12,7 +12,10 @@ import httpx
 import pytest
 from redis import Redis
 
-from .fleet import KEY_ID, TENANT, start_fleet, wait_for
+from tests.support.fleet import fleet_config, start_fleet
+from tests.support.waiting import wait_until
+
+from .conftest import KEY_ID, TENANT
 from .sse_client import completion_body, stream_completion
 
 NUM_STREAMS = 64
@@ -31,12 +34,12 @@ SEED_BASE = 10_000
 @pytest.fixture(scope="module")
 def fault_fleet(tiny_checkpoint, tmp_path_factory, redis_server):
     redis_server.flush()
-    fleet = start_fleet(tiny_checkpoint, tmp_path_factory.mktemp("faults"), redis_server.url, num_workers=2,
-                        router_args=["--max-queue-wait-s", "60"])
-    try:
+    config = fleet_config(tiny_checkpoint, tmp_path_factory.mktemp("faults"), num_workers=2,
+                          worker_args=["--num-kv-blocks", "512"], router_args=["--max-queue-wait-s", "60"],
+                          metrics=False)
+    with start_fleet(config, redis=redis_server) as fleet:
+        fleet.create_key(TENANT, key_id=KEY_ID)
         yield fleet
-    finally:
-        fleet.fleet.stop()
 
 
 def _prompts() -> list[list[int]]:
@@ -66,7 +69,7 @@ def reference(fault_fleet):
 
 
 def _clear_ledger(fleet) -> None:
-    with Redis.from_url(fleet.redis_url) as client:
+    with Redis.from_url(fleet.redis.url) as client:
         client.delete("flotilla:usage")
 
 
@@ -104,7 +107,7 @@ async def test_kill_9_one_of_two_workers_mid_stream(fault_fleet, reference):
 async def test_sigterm_moves_running_streams_within_the_grace_period(fault_fleet, reference):
     _clear_ledger(fault_fleet)
     leaving = fault_fleet.fleet.start_worker(extra_args=["--shutdown-grace-s", "0"])  # cut at once: all move
-    wait_for(lambda: fault_fleet.healthy_workers() == 2, 60, "the new worker")
+    wait_until(lambda: fault_fleet.num_healthy_workers() == 2, 60, "the new worker", interval_s=0.05)
 
     def sigterm() -> None:
         leaving.popen.terminate()
@@ -127,7 +130,8 @@ async def test_only_worker_killed_requests_wait_for_a_replacement(fault_fleet, r
                                                            _killer(only, 2) if i == 0 else None))
                    for i, p in enumerate(prompts)]
         await asyncio.wait_for(asyncio.to_thread(only.popen.wait), 60)
-        wait_for(lambda: fault_fleet.healthy_workers() == 0, 10, "the router to see no healthy worker")
+        wait_until(lambda: fault_fleet.num_healthy_workers() == 0, 10, "the router to see no healthy worker",
+                   interval_s=0.05)
         queued = [asyncio.ensure_future(stream_completion(client, fault_fleet.url, headers, _body(i, p)))
                   for i, p in enumerate(prompts)]
         fault_fleet.fleet.start_worker()  # the replacement

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
 import yaml
 
 from flotilla.rpc.options import free_port
+
+from tests.support.waiting import wait_until
 
 READY_TIMEOUT_S = 60.0
 
@@ -40,15 +41,17 @@ class PrometheusServer:
         self._log = open(self.directory / "prometheus.log", "wb")
         self._process = subprocess.Popen(self._args, stdout=self._log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not self._ready():
-            if self._process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"prometheus did not become ready:\n{self.log_tail()}")
-            time.sleep(0.1)
+        try:
+            wait_until(self._ready, READY_TIMEOUT_S, lambda: f"prometheus to be ready:\n{self.log_tail()}",
+                       interval_s=0.1)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def _ready(self) -> bool:
+        if self._process.poll() is not None:
+            raise RuntimeError(f"prometheus exited with {self._process.returncode}:\n{self.log_tail()}")
         try:
             return httpx.get(f"{self.url}/-/ready", timeout=1.0).status_code == 200
         except httpx.HTTPError:
@@ -78,14 +81,13 @@ class PrometheusServer:
         result = self.query(promql)
         return float(result[0]["value"][1]) if result else None
 
-    def wait_for_value(self, promql: str, expected: float, timeout_s: float = 30.0) -> float | None:
-        """Polls until the query yields `expected`; returns the last value seen either way."""
-        deadline = time.monotonic() + timeout_s
-        value = self.scalar(promql)
-        while value != expected and time.monotonic() < deadline:
-            time.sleep(0.25)
-            value = self.scalar(promql)
-        return value
+    def wait_for_value(self, promql: str, expected: float, timeout_s: float = 30.0) -> float:
+        """Polls until the query yields `expected` and returns it; the timeout names the last value and the
+        health of every target."""
+        wait_until(lambda: self.scalar(promql) == expected, timeout_s,
+                   lambda: f"{promql} = {expected} (now {self.scalar(promql)}; targets {self.targets_up()})",
+                   interval_s=0.25)
+        return expected
 
     def targets_up(self) -> dict[str, str]:
         response = httpx.get(f"{self.url}/api/v1/targets", timeout=5.0).json()

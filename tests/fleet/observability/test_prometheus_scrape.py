@@ -11,25 +11,26 @@ import httpx
 import openai
 import pytest
 
-from .conftest import MODEL_NAME, ObservedFleet
+from tests.support.fleet import MODEL, Fleet
+
 from .prometheus_server import PrometheusServer
 
 NUM_REQUESTS = 5
 
 
-def _send(fleet: ObservedFleet) -> None:
-    client = openai.OpenAI(base_url=f"{fleet.base_url}/v1", api_key=fleet.paid_key, max_retries=0)
+def _send(fleet: Fleet) -> None:
+    client = openai.OpenAI(base_url=f"{fleet.url}/v1", api_key=fleet.keys["k-paid"], max_retries=0)
     for i in range(NUM_REQUESTS):
         messages = [{"role": "user", "content": f"count to {i}"}]
         if i % 2:
-            stream = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6, stream=True)
+            stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, stream=True)
             assert [chunk for chunk in stream]
         else:
-            client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6)
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6)
 
 
 @pytest.fixture(scope="module")
-def prometheus(observed_fleet: ObservedFleet, tmp_path_factory):
+def prometheus(observed_fleet: Fleet, tmp_path_factory):
     _send(observed_fleet)
     targets = observed_fleet.fleet.metrics_targets()
     assert set(targets) == {"gateway", "router", "worker-0"}, targets
@@ -63,7 +64,7 @@ NOT_EXPORTED_YET = ("flotilla_autoscaler_",)  # set by the autoscaler (Autoscale
 
 
 def test_dashboard_queries_run_and_name_exported_metrics(prometheus: PrometheusServer,
-                                                         observed_fleet: ObservedFleet):
+                                                         observed_fleet: Fleet):
     panels = json.loads(DASHBOARD.read_text())["panels"]
     exprs = [target["expr"] for panel in panels for target in panel["targets"]]
     exposition = "".join(httpx.get(f"http://{target}/metrics", timeout=5.0).text

@@ -4,13 +4,12 @@ router and the worker, is one tree with one trace id; and each process logs one 
 from __future__ import annotations
 
 import json
-import time
-from pathlib import Path
 
 import httpx
 
-from .conftest import MODEL_NAME, ObservedFleet
+from tests.support.fleet import MODEL, Fleet
 from tests.support.otlp_receiver import ReceivedSpan
+from tests.support.waiting import wait_until
 
 # span -> (service, parent span)
 EXPECTED_TREE = {
@@ -24,10 +23,10 @@ EXPECTED_TREE = {
 }
 
 
-def _one_request(fleet: ObservedFleet) -> str:
-    response = httpx.post(f"{fleet.base_url}/v1/chat/completions", timeout=60.0,
-                          headers={"Authorization": f"Bearer {fleet.free_key}"},
-                          json={"model": MODEL_NAME, "max_tokens": 5,
+def _one_request(fleet: Fleet) -> str:
+    response = httpx.post(f"{fleet.url}/v1/chat/completions", timeout=60.0,
+                          headers={"Authorization": f"Bearer {fleet.keys['k-free']}"},
+                          json={"model": MODEL, "max_tokens": 5,
                                 "messages": [{"role": "user", "content": "trace me"}]})
     assert response.status_code == 200, response.text
     return response.headers["x-request-id"]
@@ -40,11 +39,11 @@ def _trace_of(spans: list[ReceivedSpan], request_id: str) -> list[ReceivedSpan]:
     return [s for s in spans if s.trace_id == roots[0].trace_id]
 
 
-def test_one_trace_spans_gateway_router_and_worker(observed_fleet: ObservedFleet):
+def test_one_trace_spans_gateway_router_and_worker(observed_fleet: Fleet):
     request_id = _one_request(observed_fleet)
-    complete = observed_fleet.receiver.wait_for(
+    complete = observed_fleet.spans.wait_for(
         lambda spans: {s.name for s in _trace_of(spans, request_id)} >= set(EXPECTED_TREE), timeout_s=30.0)
-    spans = _trace_of(observed_fleet.receiver.spans, request_id)
+    spans = _trace_of(observed_fleet.spans.spans, request_id)
     assert complete, sorted((s.service, s.name) for s in spans)
     by_name = {s.name: s for s in spans}
     assert len(by_name) == len(spans) == len(EXPECTED_TREE), [s.name for s in spans]
@@ -56,13 +55,15 @@ def test_one_trace_spans_gateway_router_and_worker(observed_fleet: ObservedFleet
     assert by_name["router.generate"].attributes["flotilla.outcome"] == "ok"
 
 
-def test_each_process_logs_one_json_record_per_request(observed_fleet: ObservedFleet):
+def test_each_process_logs_one_json_record_per_request(observed_fleet: Fleet):
     request_id = _one_request(observed_fleet)
     logs = observed_fleet.state_dir / "logs"
     records = {}
     for service in ("gateway", "router", "worker-0"):
         # Each process logs when its own part ends, which may be a moment after the client got its answer.
-        lines = _wait_for_lines(logs / f"{service}.log", request_id)
+        lines = wait_until(lambda: [line for line in (logs / f"{service}.log").read_text().splitlines()
+                                    if request_id in line], 10, f"{service} to log request {request_id}",
+                           interval_s=0.05)
         assert len(lines) == 1, (service, lines)
         records[service] = json.loads(lines[0])
     trace_ids = {r["trace_id"] for r in records.values()}
@@ -75,12 +76,3 @@ def test_each_process_logs_one_json_record_per_request(observed_fleet: ObservedF
     assert worker["prefill_s"] + worker["decode_s"] == worker["e2e_s"] or abs(
         worker["prefill_s"] + worker["decode_s"] - worker["e2e_s"]) < 1e-3
 
-
-
-def _wait_for_lines(path: Path, needle: str, timeout_s: float = 10.0) -> list[str]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        lines = [line for line in path.read_text().splitlines() if needle in line]
-        if lines or time.monotonic() > deadline:
-            return lines
-        time.sleep(0.05)

@@ -3,7 +3,6 @@ failure detection and graceful stop."""
 
 from __future__ import annotations
 
-import signal
 import time
 
 import grpc
@@ -15,42 +14,47 @@ from flotilla.api.router.v1 import router_pb2_grpc
 from flotilla.api.worker.v1 import worker_pb2 as wpb
 from flotilla.api.worker.v1 import worker_pb2_grpc
 from flotilla.engine.sampling_params import SamplingParams
+from flotilla.fleet.local import START_TIMEOUT_S
 from flotilla.rpc.convert import generate_request
 
+from flotilla.fleet.process import ServiceProcess
+
 from tests.support.engines import BLOCK_SIZE, NUM_KV_BLOCKS, greedy_reference
-from .processes import Fleet
-from tests.support.waiting import until_sync
+from tests.support.fleet import start_service
+from tests.support.waiting import wait_until
 
 MODEL = "tiny-test"
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_checkpoint, tmp_path_factory):
-    fleet = Fleet(tmp_path_factory.mktemp("fleet"))
-    router = fleet.start("router", "router", "--alias", f"default={MODEL}", "--heartbeat-timeout-s", "1.0",
-                         "--max-queue-wait-s", "5")
-    router.wait_serving()
-    engine_flags = ["--model-dir", str(tiny_checkpoint), "--router", router.address, "--device", "cpu",
-                    "--num-kv-blocks", str(NUM_KV_BLOCKS), "--block-size", str(BLOCK_SIZE)]
-    workers = [fleet.start("worker", "worker", *engine_flags, "--worker-id", "w-main", "--model-name", MODEL),
-               fleet.start("spare", "worker", *engine_flags, "--worker-id", "w-spare", "--model-name", "spare")]
+def fleet(tiny_checkpoint, tmp_path_factory) -> dict[str, ServiceProcess]:
+    """The router, a worker serving MODEL and a spare serving the same weights as another model, by name."""
+    state_dir = tmp_path_factory.mktemp("fleet")
+    services = {"router": start_service(state_dir, "router", "router", "--alias", f"default={MODEL}",
+                                        "--heartbeat-timeout-s", "1.0", "--max-queue-wait-s", "5")}
     try:
-        for worker in workers:
-            worker.wait_serving()
-        until_sync(lambda: healthy_worker_ids(router_stub(fleet)) == {"w-main", "w-spare"}, 20,
+        engine_flags = ["--model-dir", str(tiny_checkpoint), "--router", services["router"].address,
+                        "--device", "cpu", "--num-kv-blocks", str(NUM_KV_BLOCKS), "--block-size", str(BLOCK_SIZE)]
+        for name, worker_id, model in (("worker", "w-main", MODEL), ("spare", "w-spare", "spare")):
+            services[name] = start_service(state_dir, name, "worker", *engine_flags, "--worker-id", worker_id,
+                                           "--model-name", model, wait=False)
+        for service in services.values():
+            service.wait_port(START_TIMEOUT_S)
+        wait_until(lambda: healthy_worker_ids(router_stub(services)) == {"w-main", "w-spare"}, 20,
                    "both workers to register")
-        yield fleet
+        yield services
     finally:
-        fleet.stop_all()
+        for service in reversed(services.values()):
+            service.stop(timeout_s=20.0)
 
 
-def router_stub(fleet: Fleet) -> router_pb2_grpc.RouterServiceStub:
-    return router_pb2_grpc.RouterServiceStub(grpc.insecure_channel(fleet.services["router"].address))
+def router_stub(fleet: dict[str, ServiceProcess]) -> router_pb2_grpc.RouterServiceStub:
+    return router_pb2_grpc.RouterServiceStub(grpc.insecure_channel(fleet["router"].address))
 
 
-def worker_stub(fleet: Fleet) -> worker_pb2_grpc.WorkerServiceStub:
-    return worker_pb2_grpc.WorkerServiceStub(grpc.insecure_channel(fleet.services["worker"].address))
+def worker_stub(fleet: dict[str, ServiceProcess]) -> worker_pb2_grpc.WorkerServiceStub:
+    return worker_pb2_grpc.WorkerServiceStub(grpc.insecure_channel(fleet["worker"].address))
 
 
 def healthy_worker_ids(stub) -> set[str]:
@@ -100,7 +104,7 @@ def test_cancel_mid_stream_aborts_in_the_worker(fleet):
         load = worker.GetLoad(wpb.GetLoadRequest(), timeout=5)
         return not load.active_request_ids and load.num_free_blocks == load.num_total_blocks == NUM_KV_BLOCKS
 
-    until_sync(all_blocks_back, 15, "the worker to abort the cancelled request")
+    wait_until(all_blocks_back, 15, "the worker to abort the cancelled request")
     num_tokens = worker.GetLoad(wpb.GetLoadRequest(), timeout=5).num_output_tokens_total - num_tokens_before
     assert num_tokens < 900  # aborted, not run to its end
 
@@ -120,8 +124,8 @@ def test_errors_are_events(fleet):
 
 def test_killed_worker_is_marked_unhealthy(fleet):
     stub = router_stub(fleet)
-    fleet.services["spare"].stop(signal.SIGKILL)
-    until_sync(lambda: "w-spare" not in healthy_worker_ids(stub), 3.0, "the router to notice the dead worker")
+    fleet["spare"].kill()
+    wait_until(lambda: "w-spare" not in healthy_worker_ids(stub), 3.0, "the router to notice the dead worker")
     assert "w-main" in healthy_worker_ids(stub)
     request = generate_request("to-the-dead", "spare", [1, 2], GREEDY, deadline_unix_s=time.time() + 0.3)
     _, events = run(stub, request)
@@ -133,10 +137,12 @@ def test_sigterm_drains_deregisters_and_exits_cleanly(fleet):
     call = stub.Generate(generate_request("drain", MODEL, [9, 8, 7], GREEDY), timeout=60)
     first = next(call)
     assert first.HasField("chunk")
-    assert fleet.services["worker"].stop(signal.SIGTERM) == 0
+    fleet["worker"].stop(timeout_s=20.0)  # SIGTERM
+    assert fleet["worker"].popen.returncode == 0
     rest = list(call)  # the running stream finished within the grace period instead of being cut
     assert rest[-1].HasField("finished") and rest[-1].finished.reason == pb.FINISH_REASON_LENGTH
     assert len(first.chunk.token_ids) + sum(len(e.chunk.token_ids) for e in rest) == GREEDY.max_tokens
     workers = {s.worker.worker_id for s in stub.ListWorkers(rpb.ListWorkersRequest(), timeout=5).workers}
     assert "w-main" not in workers
-    assert fleet.services["router"].stop(signal.SIGTERM) == 0
+    fleet["router"].stop(timeout_s=20.0)
+    assert fleet["router"].popen.returncode == 0

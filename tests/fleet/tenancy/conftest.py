@@ -1,16 +1,29 @@
-"""The tenancy fleet, shared by the fleet test modules (the Redis outage test restarts Redis with its data)."""
+"""The tenancy fleet, shared by the fleet test modules: its own Redis (the Redis outage test stops it and starts
+it again, with its data), router, one worker, and three gateway processes sharing keys and quotas through
+Redis (two fail closed, the third fails open)."""
 
 from __future__ import annotations
 
 import pytest
 
-from .fleet_harness import TenancyFleet, start_fleet
+from tests.support.fleet import Fleet, fleet_config, start_fleet
+from tests.support.redis_server import RedisServer
+
+MAX_REQUESTS_PER_WORKER = 4  # the router, not the engine, holds the backlog: fair queueing applies
 
 
 @pytest.fixture(scope="package")
-def tenancy_fleet(tiny_checkpoint, tmp_path_factory) -> TenancyFleet:
+def tenancy_fleet(tiny_checkpoint, tmp_path_factory) -> Fleet:
+    state_dir = tmp_path_factory.mktemp("tenancy-fleet")
     # Small free/batch wait budgets, so that the overload test sheds within seconds on a tiny model.
-    harness = start_fleet(tiny_checkpoint, tmp_path_factory.mktemp("tenancy-fleet"),
-                          ["--wait-budget-free-s", "1.0", "--wait-budget-batch-s", "0.5"])
-    yield harness
-    harness.stop()
+    budgets = ["--wait-budget-free-s", "1.0", "--wait-budget-batch-s", "0.5"]
+    config = fleet_config(tiny_checkpoint, state_dir, worker_args=["--num-kv-blocks", "512"],
+                          router_args=["--max-requests-per-worker", str(MAX_REQUESTS_PER_WORKER)],
+                          gateway_args=["--redis-fail-mode", "closed", *budgets])
+    redis = RedisServer(state_dir / "redis").start()
+    try:
+        gateways = [["--redis-fail-mode", "closed", *budgets], ["--redis-fail-mode", "open", *budgets]]
+        with start_fleet(config, redis=redis, gateways=gateways) as fleet:
+            yield fleet
+    finally:
+        redis.stop()

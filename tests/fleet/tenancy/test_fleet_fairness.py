@@ -17,7 +17,9 @@ from pathlib import Path
 
 import httpx
 
-from .fleet_harness import MAX_REQUESTS_PER_WORKER, MODEL
+from tests.support.fleet import MODEL
+
+from .conftest import MAX_REQUESTS_PER_WORKER
 
 PROMPT = list(range(30, 44))  # 14 tokens
 

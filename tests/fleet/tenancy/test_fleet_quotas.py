@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-import pytest
 
 from flotilla.tenancy.redis_conn import connect
 from flotilla.tenancy.redis_quota import RedisQuotaStore
 
-from .fleet_harness import MODEL, TenancyFleet, wait_for
+from tests.support.fleet import MODEL, Fleet
+from tests.support.waiting import async_wait_until, wait_until
 
 PROMPT = list(range(10, 20))  # token ids: the prompt costs exactly 10 tokens
 
@@ -22,12 +22,12 @@ async def complete(client: httpx.AsyncClient, url: str, key: str, max_tokens: in
                              json={"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0})
 
 
-async def burst(fleet: TenancyFleet, key: str, n: int, max_tokens: int = 4) -> list[httpx.Response]:
+async def burst(fleet: Fleet, key: str, n: int, max_tokens: int = 4) -> list[httpx.Response]:
     async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=n)) as client:
         return await asyncio.gather(*(complete(client, fleet.urls[i % 3], key, max_tokens) for i in range(n)))
 
 
-async def usage_of(fleet: TenancyFleet, tenant: str):
+async def usage_of(fleet: Fleet, tenant: str):
     client = connect(fleet.redis.url)
     try:
         return await RedisQuotaStore(client).usage(tenant)
@@ -55,14 +55,15 @@ async def test_token_reservations_and_refunds_are_exact(tenancy_fleet):
     assert all(r.status_code in (200, 429) for r in responses)
     used = sum(u["prompt_tokens"] + u["completion_tokens"] for u in ok)
 
-    async def settled():
-        return await usage_of(tenancy_fleet, "tpm")
+    seen = []
 
-    deadline = asyncio.get_running_loop().time() + 10
-    while (state := await settled()).num_in_flight or state.num_tokens != used:
-        assert asyncio.get_running_loop().time() < deadline, f"window holds {state}, responses used {used}"
-        await asyncio.sleep(0.05)  # settlements run just after the responses
-    assert state.num_tokens <= 1000 and state.num_requests == len(ok)
+    async def settled() -> bool:  # settlements run just after the responses
+        seen.append(await usage_of(tenancy_fleet, "tpm"))
+        return not seen[-1].num_in_flight and seen[-1].num_tokens == used
+
+    await async_wait_until(settled, 10, lambda: f"the window to settle: holds {seen[-1]}, responses used {used}",
+                           interval_s=0.05)
+    assert seen[-1].num_tokens <= 1000 and seen[-1].num_requests == len(ok)
 
 
 async def test_anthropic_headers_and_429(tenancy_fleet):
@@ -109,6 +110,7 @@ def test_redis_outage_then_automatic_recovery(tenancy_fleet):
         assert open_ready.status_code == 200 and open_ready.json()["status"] == "degraded"
     finally:
         tenancy_fleet.redis.start()
-    wait_for(lambda: _status(closed, key) == 200, 15, "the fail-closed gateway to recover")
+    wait_until(lambda: _status(closed, key) == 200, 15, "the fail-closed gateway to recover", interval_s=0.05)
     for url in tenancy_fleet.urls:
-        wait_for(lambda url=url: httpx.get(f"{url}/healthz").json()["status"] == "ok", 15, f"{url} healthy")
+        wait_until(lambda url=url: httpx.get(f"{url}/healthz").json()["status"] == "ok", 15, f"{url} healthy",
+                   interval_s=0.05)
