@@ -1,0 +1,76 @@
+"""The real openai and anthropic SDKs against the fleet serving the trained default model (SmolLM2-135M-Instruct):
+greedy answers to chat conversations, streamed and not, equal transformers' on the same checkpoint token for
+token, with usage and finish reasons to match."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import anthropic
+import openai
+import pytest
+
+from flotilla.models.catalog import DEFAULT_MODEL
+
+from tests.support.fleet import Fleet, fleet_config, start_fleet
+from tests.support.trained_model import MAX_TOKENS
+
+
+@pytest.fixture(scope="module")
+def trained_fleet(trained_checkpoint: Path, tmp_path_factory) -> Fleet:
+    config = fleet_config(trained_checkpoint, tmp_path_factory.mktemp("trained-fleet"), model_name=DEFAULT_MODEL,
+                          worker_args=["--num-kv-blocks", "128"])
+    with start_fleet(config, keys={"test-key": ("tenant-a", "paid")}) as running:
+        yield running
+
+
+async def _chat(oai: openai.AsyncOpenAI, messages: list[dict], stream: bool) -> tuple[str, str, int, int]:
+    """-> (text, finish reason, prompt tokens, completion tokens)"""
+    kwargs = dict(model=DEFAULT_MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    if not stream:
+        r = await oai.chat.completions.create(**kwargs)
+        return r.choices[0].message.content, r.choices[0].finish_reason, r.usage.prompt_tokens, r.usage.completion_tokens
+    text, finish, usage = "", None, None
+    async for chunk in await oai.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    return text, finish, usage.prompt_tokens, usage.completion_tokens
+
+
+async def _message(claude: anthropic.AsyncAnthropic, messages: list[dict], stream: bool) -> tuple[str, str, int, int]:
+    system = [m["content"] for m in messages if m["role"] == "system"]
+    kwargs = dict(model=DEFAULT_MODEL, max_tokens=MAX_TOKENS, messages=[m for m in messages if m["role"] != "system"],
+                  extra_body={"temperature": 0}, **({"system": system[0]} if system else {}))
+    if stream:
+        async with claude.messages.stream(**kwargs) as events:
+            text = "".join([delta async for delta in events.text_stream])
+            final = await events.get_final_message()
+    else:
+        final = await claude.messages.create(**kwargs)
+        text = "".join(block.text for block in final.content)
+    reason = {"end_turn": "stop", "max_tokens": "length"}[final.stop_reason]
+    return text, reason, final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0), final.usage.output_tokens
+
+
+def test_both_sdks_answer_as_transformers_does(trained_fleet, trained_reference):
+    conversations = trained_reference.conversations
+
+    async def run_all():
+        oai = openai.AsyncOpenAI(base_url=f"{trained_fleet.url}/v1", api_key=trained_fleet.api_key, max_retries=0)
+        claude = anthropic.AsyncAnthropic(base_url=trained_fleet.url, api_key=trained_fleet.api_key, max_retries=0)
+        async with oai, claude:
+            return await asyncio.gather(*[_chat(oai, c, stream=i % 2 == 0) for i, c in enumerate(conversations)],
+                                        *[_message(claude, c, stream=i % 2 == 1) for i, c in enumerate(conversations)])
+
+    results = asyncio.run(run_all())
+    expected = [
+        (text, "stop" if ids[-1] in trained_reference.eos_token_ids else "length", len(prompt), len(ids))
+        for text, ids, prompt in zip(trained_reference.texts, trained_reference.expected, trained_reference.prompts)
+    ]
+    assert results == expected + expected
+    assert results[0][0] == "The capital of France is Paris."
+    load = trained_fleet.worker_load()
+    assert load.num_free_blocks == load.num_total_blocks
