@@ -49,6 +49,10 @@ prometheus:
 test: install protos models redis-server helm prometheus lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# The unit tier (tests/conftest.py): tests that start no process and open no socket, in under a minute.
+test-unit: install protos
+	$(PY) -m pytest -q -m unit $(PYTEST_ARGS)
+
 # The layer contract (pyproject.toml, [tool.importlinter]): a lower layer importing an upper one fails.
 # grimp walks folders, so the three source roots are named here rather than found through the editable finder.
 lint: install protos

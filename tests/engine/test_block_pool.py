@@ -22,6 +22,7 @@ def test_hash_is_a_fixed_digest():
     assert digest.hex() == "cd60e1c2003fe8164646918f2731405b881494c385f967d4f868e36d8f96c515"
 
 
+@pytest.mark.integration  # a second interpreter
 def test_hash_stable_in_a_fresh_interpreter_with_another_hash_seed():
     code = (
         "from flotilla.engine.block_hash import hash_block_tokens;"

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import redis.asyncio as aioredis
 
 from flotilla.usage.ledger import UsageLedger
@@ -45,6 +46,7 @@ async def test_ledger_retries_a_failing_sink_and_keeps_order():
     assert [r.request_id for r in sink.written] == [f"r{i}" for i in range(5)]
 
 
+@pytest.mark.integration  # real Redis
 async def test_redis_sink_round_trip(redis_url):
     client = aioredis.from_url(redis_url, decode_responses=True)
     ledger = UsageLedger(RedisStreamSink(client, owns_client=True)).start()
@@ -58,6 +60,7 @@ async def test_redis_sink_round_trip(redis_url):
         assert list(read_redis(sync_client)) == [_record("a", "t1", 3, 1000.0)]
 
 
+@pytest.mark.integration  # `flotilla usage` as a command
 def test_flotilla_usage_sums_per_tenant_and_time_range(tmp_path):
     path = tmp_path / "usage.jsonl"
     records = [_record("a", "t1", 5, 1000.0), _record("b", "t1", 7, 2000.0), _record("c", "t2", 1, 2000.0),
