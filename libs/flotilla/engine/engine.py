@@ -135,9 +135,13 @@ class LLMEngine:
         sampling_params: SamplingParams,
         priority: Priority = Priority.INTERACTIVE,
         cache_salt: str = "",
+        num_previous_output_tokens: int = 0,
     ) -> Request:
-        """A validated request that is NOT queued: a decode worker reserves its KV blocks first."""
-        request = self._build_request(request_id, prompt_token_ids, sampling_params, priority, cache_salt)
+        """A validated request that is NOT queued: a decode worker reserves its KV blocks first.
+        `num_previous_output_tokens`: a resumed stream, as in add_request."""
+        request = self._build_request(
+            request_id, prompt_token_ids, sampling_params, priority, cache_salt, num_previous_output_tokens
+        )
         self.scheduler.validate_new(request)
         return request
 

@@ -165,11 +165,13 @@ def try_reserve(
     priority: Priority = Priority.INTERACTIVE,
     cache_salt: str = "",
     min_remote_tokens: int = 1,
+    num_previous_output_tokens: int = 0,
 ) -> KVReservation | None:
     """Reserve blocks for a remote prefill of this request, or None when it should be prefilled here: its
     uncached part is shorter than `min_remote_tokens`, or its projected KV does not fit now. Raises
-    InvalidRequestError like add_request."""
-    request = engine.new_request(request_id, prompt_token_ids, sampling_params, priority, cache_salt)
+    InvalidRequestError like add_request. `num_previous_output_tokens`: a resumed stream (add_request)."""
+    request = engine.new_request(request_id, prompt_token_ids, sampling_params, priority, cache_salt,
+                                 num_previous_output_tokens)  # fmt: skip
     kv = engine.kv_cache_manager
     hit = kv.get_computed_blocks(request)
     num_cached_blocks = hit.num_tokens // kv.block_size  # whole blocks only: no copy-on-write of a tail

@@ -1,7 +1,9 @@
 """Disaggregated placement on top of admission: admission chose a worker with room (role both or decode);
 the planner picks the decode worker by prefix affinity within a load cap, then a prefill worker (queued
 prefill tokens, prefix affinity) unless the uncached part of the prompt is short or no prefill worker serves
-the model. With no prefill worker and one decode-capable worker it changes nothing (colocated fleets)."""
+the model. With no prefill worker and one decode-capable worker it changes nothing (colocated fleets).
+A retry is planned the same way, away from the workers it was lost on (`avoid`), a resumed stream included:
+the prefill worker continues its seeds like the decode worker (GenerateRequest.num_previous_output_tokens)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,6 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from flotilla.api.common.v1 import common_pb2 as pb
-from flotilla.api.kvtransfer.v1 import kv_transfer_pb2 as kpb
-from flotilla.api.kvtransfer.v1 import kv_transfer_pb2_grpc
 from flotilla.engine.block_hash import hash_full_blocks
 from flotilla.router.placement import (
     AffinityLimits,
@@ -27,7 +27,12 @@ DEFAULT_BLOCK_SIZE = 16
 
 class Plan(NamedTuple):
     decode: WorkerEntry
-    prefill: WorkerEntry | None  # None: the decode worker prefills itself (WorkerService.Generate)
+    prefill: WorkerEntry | None  # None: the decode worker prefills itself
+
+    @property
+    def prefill_worker_address(self) -> str:
+        """GenerateRequest.prefill_worker_address for the decode worker."""
+        return self.prefill.info.address if self.prefill is not None else ""
 
 
 class DisaggPlanner:
@@ -39,8 +44,10 @@ class DisaggPlanner:
         self._hash_sets: dict[str, tuple[float, frozenset[bytes]]] = {}  # worker id -> (heartbeat, hashes)
         self.num_prefix_hit_placements = 0  # placed on a worker holding part of the prompt
 
-    def plan(self, chosen: WorkerEntry, request: pb.GenerateRequest) -> Plan:
-        peers = self._registry.healthy_workers(chosen.model_name, chosen.version)
+    def plan(self, chosen: WorkerEntry, request: pb.GenerateRequest, avoid: frozenset[str] = frozenset()) -> Plan:
+        """`avoid`: decode workers a retried request was lost on; admission chose `chosen` away from them."""
+        peers = [e for e in self._registry.healthy_workers(chosen.model_name, chosen.version)
+                 if e.worker_id not in avoid or e.worker_id == chosen.worker_id]  # fmt: skip
         prefill_workers = self._registry.healthy_prefill_workers(chosen.model_name, chosen.version)
         if len(peers) <= 1 and not prefill_workers:
             return Plan(chosen, None)
@@ -99,11 +106,3 @@ class DisaggPlanner:
         new.num_assigned += 1
         self._registry.record_placement(new, num_tokens)
 
-
-def open_generate(plan: Plan, forwarded: pb.GenerateRequest, **call_kwargs):
-    """The worker call for a plan: WorkerService.Generate, or the decode worker's GenerateDisaggregated."""
-    if plan.prefill is None:
-        return plan.decode.session.generate(forwarded, **call_kwargs)  # one stream of the worker's session
-    stub = kv_transfer_pb2_grpc.KVTransferServiceStub(plan.decode.channel)
-    request = kpb.DisaggregatedGenerateRequest(request=forwarded, prefill_worker_address=plan.prefill.info.address)
-    return stub.GenerateDisaggregated(request, **call_kwargs)

@@ -3,11 +3,13 @@
 The router relays each token chunk to its caller as it arrives and remembers the token ids it relayed.
 When the worker goes away (a failed call: connection lost, cancelled by its shutdown; or an error event that
 says the worker, not the request, is at fault), the request is placed again through admission, on the same
-model version:
+model version, away from the workers it was lost on (on a disaggregated pool the planner picks the decode
+worker and a prefill worker for it again, disagg_planner.py):
 - nothing relayed yet: the same request again (its caller cannot tell);
 - tokens relayed: a resumed request, prompt + the relayed tokens with `num_previous_output_tokens` set and
-  max_tokens reduced, so the new worker prefills them, continues the sampler's seeds at that index and holds
-  back the same text (see LLMEngine.add_request). The caller sees no seam, no duplicated or missing token.
+  max_tokens reduced, so the new worker (or its prefill worker) prefills them, continues the sampler's seeds at
+  that index and holds back the same text (see LLMEngine.add_request). The caller sees no seam, no duplicated
+  or missing token.
 Attempts are bounded; then the caller gets UNAVAILABLE (retryable, with retry_after_s). The terminal event
 carries the number of attempts and the model version (for the usage ledger); usage counts the caller's
 prompt and every relayed token, whatever worker produced it.

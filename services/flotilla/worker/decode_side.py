@@ -1,5 +1,7 @@
-"""Decode worker side of a hand-off: reserve the blocks, have the prefill worker fill them layer by layer,
-admit the request into the running batch once every write has arrived, and stream its tokens.
+"""Decode worker side of a hand-off, for WorkerService.Generate when a request names its prefill worker:
+reserve the blocks, have the prefill worker fill them layer by layer, and admit the request into the running
+batch once every write has arrived; Generate then streams its tokens like any other request's. A resumed
+stream (num_previous_output_tokens) is prefilled remotely too: both sides continue its seeds at that index.
 
 Lifetimes: the reserved blocks are freed on any failure, but only once no write into them can be in flight:
 after the prefill worker answered (it answers when its writes completed), after AbortRemotePrefill returned
@@ -54,14 +56,18 @@ class DecodeSide:
                           telemetry: RequestTelemetry | None = None) -> RequestStream | None:
         """The request's stream after a remote prefill, or None when it should be prefilled locally.
         Raises InvalidRequestError (before anything is held) and EngineDeadError."""
+        if not prefill_address:
+            return None
         handoff = self._handoff
         params = sampling_params_from_proto(gen.sampling)
         min_tokens = handoff.settings.min_remote_prefill_tokens
         prompt, priority = list(gen.prompt_token_ids), priority_from_proto(gen.priority)
+        num_previous = gen.num_previous_output_tokens  # a resumed stream's too
         reservation: KVReservation | None = await handoff.engine.call(
-            lambda llm: try_reserve(llm, gen.request_id, prompt, params, priority, gen.cache_salt, min_tokens)
+            lambda llm: try_reserve(llm, gen.request_id, prompt, params, priority, gen.cache_salt, min_tokens,
+                                    num_previous)  # fmt: skip
         )
-        if reservation is None or not prefill_address:
+        if reservation is None:
             return None
         transfer_id = f"{gen.request_id}.{uuid.uuid4().hex[:8]}"
         handoff.incoming[transfer_id] = reservation

@@ -1,5 +1,6 @@
-"""Worker wiring for disaggregation: the KV hand-off service (roles prefill and decode), the role announced
-to the router, and the prefix-cache hashes added to every load report (all roles)."""
+"""Worker wiring for disaggregation: the KV hand-off (roles prefill and decode: the KVTransferService, and the
+decode side WorkerService.Generate uses for a request that names a prefill worker), the role announced to the
+router, and the prefix-cache hashes added to every load report (all roles)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.kvtransfer.v1 import kv_transfer_pb2_grpc
 from flotilla.engine.async_engine import AsyncEngine
 from flotilla.rpc.options import address
+from flotilla.worker.decode_side import DecodeSide
 from flotilla.worker.kv_handoff import KVHandoff
 from flotilla.worker.kv_service import KVTransferServicer
 from flotilla.worker.kv_settings import DisaggSettings
@@ -46,8 +48,8 @@ async def attach_kv_transfer(
     handoff = None
     if settings.transfers_kv:
         handoff = await KVHandoff.start(engine, settings, worker.worker_id)
-        servicer = KVTransferServicer(handoff, worker, address(host, port))
-        kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server(servicer, server)
+        worker.decode_side = DecodeSide(handoff, address(host, port), worker.metrics.kv_transfer, worker.model.name)
+        kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server(KVTransferServicer(handoff, worker), server)
     reporter = PrefixReporter(engine)
     reporter.start()
     return KVWiring(handoff, reporter)

@@ -76,8 +76,9 @@ class PrefillSide:
     async def _run_prefill(self, transfer_id: str, gen: pb.GenerateRequest) -> RequestOutput | None:
         params = dataclasses.replace(sampling_params_from_proto(gen.sampling), max_tokens=1)
         stream = await self._handoff.engine.generate(
-            transfer_id, list(gen.prompt_token_ids), params, priority_from_proto(gen.priority), gen.cache_salt
-        )
+            transfer_id, list(gen.prompt_token_ids), params, priority_from_proto(gen.priority), gen.cache_salt,
+            num_previous_output_tokens=gen.num_previous_output_tokens,  # a resumed stream: its seed index
+        )  # fmt: skip
         first = None
         try:
             async for output in stream:  # a cancelled call (decode worker gone) aborts it via close()

@@ -1,15 +1,17 @@
-"""WorkerService handlers: Generate streams coalesced TokenChunks then Finished; errors are events."""
+"""WorkerService handlers: Generate streams coalesced TokenChunks then Finished; errors are events. A request
+that names a prefill worker is prefilled there first when this worker has the KV hand-off (decode_side.py)."""
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import grpc
 
 from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.worker.v1 import worker_pb2 as wpb
 from flotilla.api.worker.v1 import worker_pb2_grpc
-from flotilla.engine.async_engine import AsyncEngine, EngineDeadError
+from flotilla.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from flotilla.engine.errors import InvalidRequestError
 from flotilla.engine.outputs import RequestOutput
 from flotilla.rpc.convert import (
@@ -23,6 +25,9 @@ from flotilla.rpc.convert import (
 )
 from flotilla.rpc.session_server import serve_session
 from flotilla.worker.telemetry import RequestTelemetry, WorkerMetrics
+
+if TYPE_CHECKING:
+    from flotilla.worker.decode_side import DecodeSide
 
 logger = logging.getLogger(__name__)
 
@@ -44,41 +49,37 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
         self.worker_id = worker_id
         self.model = model
         self.metrics = metrics or WorkerMetrics()
+        # The KV hand-off's decode side (kv_wiring.py, roles prefill and decode): a request that names a
+        # prefill worker is prefilled there. None: every request is prefilled here.
+        self.decode_side: DecodeSide | None = None
 
     async def GenerateSession(self, actions, context: grpc.aio.ServicerContext) -> None:
         """Many Generate streams on one call; the router's way in (rpc/session_server.py)."""
         await serve_session(actions, context, self.Generate)
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
-                       telemetry: RequestTelemetry | None = None) -> None:
-        """`telemetry`: a disaggregated call's, when it prefills here after all; finished here either way."""
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        """Colocated and disaggregated requests alike: open the stream (_open), then relay its outputs."""
         if not self._serves(request.model):
             message = f"this worker serves {self.model.name}@{self.model.version}, not {request.model}"
             await context.write(error_response(pb.ERROR_CODE_MODEL_NOT_FOUND, message, "model", self.worker_id))
             return
+        # One worker.generate span and request count per call; a KV hand-off is a child span of it.
+        telemetry = self.telemetry(request.request_id, context)
         try:
-            stream = await self._engine.generate(
-                request.request_id,
-                list(request.prompt_token_ids),
-                sampling_params_from_proto(request.sampling),
-                priority_from_proto(request.priority),
-                request.cache_salt,
-                num_previous_output_tokens=request.num_previous_output_tokens,  # a resumed stream
-            )
+            stream = await self._open(request, telemetry)
         except InvalidRequestError as exc:
-            _finish(telemetry, "invalid_request")
+            telemetry.finish("invalid_request")
             await context.write(invalid_request_response(exc, self.worker_id))
             return
         except EngineDeadError as exc:
-            _finish(telemetry, "unavailable")
+            telemetry.finish("unavailable")
             await context.write(error_response(pb.ERROR_CODE_UNAVAILABLE, str(exc), worker_id=self.worker_id))
             return
         except BaseException:
-            _finish(telemetry, "cancelled")
+            telemetry.finish("cancelled")
             raise
         # A cancelled RPC (the caller went away, or its deadline passed) raises CancelledError at an await
         # below; closing the stream then aborts the request in the engine.
-        telemetry = telemetry or self.telemetry(request.request_id, context)
         outcome = "cancelled"  # unless the stream ends or fails below
         write_nowait = getattr(context, "write_nowait", None)  # a session's stream (rpc/session_server.py)
         if write_nowait is not None:
@@ -104,6 +105,23 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
         finally:
             stream.close()
             telemetry.finish(outcome)
+
+    async def _open(self, request: pb.GenerateRequest, telemetry: RequestTelemetry) -> RequestStream:
+        """The request's stream: prefilled on the prefill worker it names when this worker can receive KV
+        (DecodeSide; it may decline, then the prompt is prefilled here), else prefilled here. Raises
+        InvalidRequestError and EngineDeadError; a cancelled call holds nothing afterwards."""
+        if request.prefill_worker_address and self.decode_side is not None:
+            stream = await self.decode_side.open_stream(request, request.prefill_worker_address, telemetry)
+            if stream is not None:
+                return stream
+        return await self._engine.generate(
+            request.request_id,
+            list(request.prompt_token_ids),
+            sampling_params_from_proto(request.sampling),
+            priority_from_proto(request.priority),
+            request.cache_salt,
+            num_previous_output_tokens=request.num_previous_output_tokens,  # a resumed stream
+        )
 
     def telemetry(self, request_id: str, context: grpc.aio.ServicerContext) -> RequestTelemetry:
         return RequestTelemetry(self.metrics, self.model.name, self.worker_id, request_id,
@@ -133,11 +151,6 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
 
     async def GetLoad(self, request: wpb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReport:
         return current_load(self._engine)
-
-
-def _finish(telemetry: RequestTelemetry | None, outcome: str) -> None:
-    if telemetry is not None:
-        telemetry.finish(outcome)
 
 
 def current_load(engine: AsyncEngine) -> pb.LoadReport:
