@@ -203,10 +203,30 @@ async def test_a_direct_handler_takes_responses_as_they_arrive_and_leaves_the_en
         taken.append(response.chunk.token_ids[0])
         return True
 
-    stream.relay_directly(take_chunks)
+    stream.deliver_directly(take_chunks)
     rest = await _drain(stream)
     assert taken == [0, 1, 2, 3, 4]
     assert len(rest) == 1 and rest[0].HasField("finished")
+
+
+async def test_a_direct_handler_never_overtakes_a_response_the_reader_still_holds(served):
+    _, _, _, client = served
+    stream = client.generate(_request("held", "slow", num_chunks=8))
+    relayed = []  # where a relay's writes land, direct and iterated alike
+
+    def take_chunks(response: pb.GenerateResponse) -> bool:
+        if not response.HasField("chunk"):
+            return False
+        relayed.append(response)
+        return True
+
+    first = await anext(stream)  # read before the relay sets its handler (a worker's first ones can be)
+    stream.deliver_directly(take_chunks)
+    await asyncio.sleep(0.05)  # the reader holds it while the next ones arrive
+    relayed.append(first)
+    async for response in stream:
+        relayed.append(response)
+    assert [r.chunk.token_ids[0] for r in relayed[:-1]] == list(range(8)) and relayed[-1].HasField("finished")
 
 
 async def test_a_failing_direct_handler_falls_back_to_iteration_and_spares_the_session(served):
@@ -217,7 +237,7 @@ async def test_a_failing_direct_handler_falls_back_to_iteration_and_spares_the_s
     def broken(response: pb.GenerateResponse) -> bool:
         raise RuntimeError("handler bug")
 
-    stream.relay_directly(broken)
+    stream.deliver_directly(broken)
     responses, others = await asyncio.gather(_drain(stream), _drain(other))
     assert [r.chunk.token_ids[0] for r in responses[:-1]] == [0, 1, 2, 3] and responses[-1].HasField("finished")
     assert len(others) == 5 and others[-1].HasField("finished")

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 from flotilla.engine.engine import LLMEngine
 from flotilla.engine.errors import InvalidRequestError
+from flotilla.engine.inbox import Inbox
 from flotilla.engine.outputs import EngineStats, RequestOutput
 from flotilla.engine.request import FinishReason, Priority
 from flotilla.engine.sampling_params import SamplingParams
@@ -374,27 +375,21 @@ class RequestStream:
     def __init__(self, owner: AsyncEngine, request_id: str, num_prompt_tokens: int):
         self.request_id = request_id
         self._owner = owner
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._inbox: Inbox[Any] = Inbox(f"request {request_id}")  # outputs, _ABORTED or an exception
         self._done = False  # finished or closed: no more outputs
         self._num_prompt_tokens = num_prompt_tokens
         self._num_cached_prompt_tokens = 0
         self._num_output_tokens = 0
-        self._direct: Callable[[RequestOutput], bool] | None = None
-        # Direct delivery only while the consumer waits with nothing in hand: an output it is still handling
-        # must reach the handler's destination first.
-        self._consumer_waiting = False
 
     @property
     def finished(self) -> bool:
         return self._done
 
     def deliver_directly(self, handler: Callable[[RequestOutput], bool] | None) -> None:
-        """While set, an output that arrives while the consumer waits for one (nothing queued, nothing in its
-        hands) and does not end the request goes to `handler` at once, on the loop, instead of waking the
-        consumer: no task switch per token for a relay. The handler returns False for an output it leaves to
-        iteration (read then in order); the last output, aborts and errors always go to iteration; a raising
-        handler falls back to iteration."""
-        self._direct = handler
+        """While set, an output that does not end the request goes to `handler` on the loop, instead of waking
+        the consumer, when it arrives while the consumer waits with nothing in hand (engine/inbox.py). The
+        last output, aborts and errors always go to iteration."""
+        self._inbox.deliver_directly(handler)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -402,17 +397,14 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
-        self._consumer_waiting = True
+        inbox = self._inbox
         try:
-            first = await self._queue.get()
+            await inbox.wait()
         except asyncio.CancelledError:
             self.close()  # the consumer went away: abort in the engine
             raise
-        finally:
-            self._consumer_waiting = False
-        items = [first]
-        while not self._queue.empty():
-            items.append(self._queue.get_nowait())
+        items = list(inbox.items)
+        inbox.items.clear()
         return self._merge(items)
 
     def close(self) -> None:
@@ -433,20 +425,13 @@ class RequestStream:
         self.close()
 
     def _push(self, item: Any) -> None:
-        if (self._direct is not None and self._consumer_waiting and not self._done and self._queue.empty()
-                and isinstance(item, RequestOutput) and not item.finished and self._handled_directly(item)):
+        inbox = self._inbox
+        if (inbox.handler is not None and not self._done and type(item) is RequestOutput and not item.finished
+                and inbox.try_deliver_directly(item)):
             self._num_cached_prompt_tokens = item.num_cached_prompt_tokens
             self._num_output_tokens = item.num_output_tokens
             return
-        self._queue.put_nowait(item)
-
-    def _handled_directly(self, output: RequestOutput) -> bool:
-        try:
-            return self._direct(output)
-        except Exception:  # a handler bug must not lose the output or the engine's other deliveries
-            logger.exception("direct handler of request %s failed; back to iteration", self.request_id)
-            self._direct = None
-            return False
+        inbox.put(item)
 
     def _merge(self, items: list[Any]) -> RequestOutput:
         outputs: list[RequestOutput] = []

@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
-from collections import deque
 from collections.abc import Callable, Sequence
 
 import grpc
 
 from flotilla.api.common.v1 import common_pb2 as pb
-
-logger = logging.getLogger(__name__)
+from flotilla.engine.inbox import Inbox
 
 OpenCall = Callable[[], grpc.aio.StreamStreamCall]  # e.g. stub.GenerateSession
 DirectHandler = Callable[[pb.GenerateResponse], bool]
@@ -37,37 +34,25 @@ class SessionStream:
     def __init__(self, session: _Session, stream_id: int, deadline: float | None):
         self._session = session
         self.stream_id = stream_id
-        self._events: deque[pb.SessionEvent | grpc.aio.AioRpcError] = deque()
-        self._waiter: asyncio.Future | None = None  # set while the reader awaits the next event
-        self._direct: DirectHandler | None = None
+        self._inbox: Inbox[pb.SessionEvent | grpc.aio.AioRpcError] = Inbox(f"stream {stream_id}")
         self._done = False
         # The caller's timeout: one timer for the stream's life (a timeout around every read would cost a
         # timer per token); when it fires, the stream reads DEADLINE_EXCEEDED next and the callee is told.
         self._deadline_timer = (None if deadline is None
                                 else asyncio.get_running_loop().call_at(deadline, self._deadline_passed))
 
-    def relay_directly(self, handler: DirectHandler | None) -> None:
-        """While set, a response that arrives while the stream's reader waits for one (nothing queued, nothing
-        in its hands) goes to `handler` at once, in the session's reader: no task switch per event for a
-        relay. The handler returns False for a response it leaves to iteration (which then reads it in order);
-        ends and errors always go to iteration."""
-        self._direct = handler
+    def deliver_directly(self, handler: DirectHandler | None) -> None:
+        """While set, a response goes to `handler` in the session's reader, instead of waking the stream's
+        reader, when it arrives while that reader waits with nothing in hand (engine/inbox.py). Ends and errors
+        always go to iteration."""
+        self._inbox.deliver_directly(handler)
 
     def deliver(self, event: pb.SessionEvent | grpc.aio.AioRpcError) -> None:
-        if (self._direct is not None and self._waiter is not None and not self._events
-                and isinstance(event, pb.SessionEvent) and not event.end and self._handled_directly(event.response)):
+        inbox = self._inbox
+        if (inbox.handler is not None and type(event) is pb.SessionEvent and not event.end
+                and inbox.try_deliver_directly(event.response)):
             return
-        self._events.append(event)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    def _handled_directly(self, response: pb.GenerateResponse) -> bool:
-        try:
-            return self._direct(response)
-        except Exception:  # a handler bug must not end the session's reader (and every other stream)
-            logger.exception("direct handler of stream %d failed; back to iteration", self.stream_id)
-            self._direct = None
-            return False
+        inbox.put(event)
 
     def __aiter__(self) -> SessionStream:
         return self
@@ -75,23 +60,19 @@ class SessionStream:
     async def __anext__(self) -> pb.GenerateResponse:
         if self._done:
             raise StopAsyncIteration
-        while not self._events:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return self._take(self._events.popleft())
+        await self._inbox.wait()
+        return self._take(self._inbox.items.popleft())
 
     def next_ready(self) -> pb.GenerateResponse | None:
         """The next response if it has already arrived, without waiting; None when nothing has, or when
         what comes next is the stream's end or an error (the next iteration reports those)."""
-        if self._done or not self._events:
+        events = self._inbox.items
+        if self._done or not events:
             return None
-        event = self._events[0]
+        event = events[0]
         if isinstance(event, grpc.aio.AioRpcError) or event.end:
             return None
-        self._events.popleft()
+        events.popleft()
         return event.response
 
     def _take(self, event: pb.SessionEvent | grpc.aio.AioRpcError) -> pb.GenerateResponse:
