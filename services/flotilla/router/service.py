@@ -13,7 +13,7 @@ from flotilla.api.router.v1 import router_pb2_grpc
 from flotilla.rpc.convert import error_response
 from flotilla.rpc.session_server import serve_session
 from flotilla.router.admission import Admission, Placement, RouterError, Ticket
-from flotilla.router.disagg_planner import DisaggPlanner, Plan, open_generate
+from flotilla.router.disagg_planner import DisaggPlanner
 from flotilla.router.failover import DEFAULT_MAX_ATTEMPTS, StreamProgress, WorkerLost
 from flotilla.router.models import aliases_of
 from flotilla.router.pool_signals import pool_signals
@@ -144,18 +144,16 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
     ) -> None:
         progress = progress or StreamProgress(request)
         forwarded = progress.next_request(placement.resolution.qualified)
-        # A resumed stream is prefilled where it continues (its seeds); a retry runs where admission put it,
-        # away from the worker it was lost on.
-        if forwarded.num_previous_output_tokens or progress.num_attempts > 1:
-            plan = Plan(placement.worker, None)
-        else:
-            plan = self._disagg.plan(placement.worker, forwarded)  # decode worker by prefix affinity; prefill worker
+        # Decode worker by prefix affinity, then a prefill worker; a retry (a resumed stream too) is planned
+        # the same way, away from the workers it was lost on.
+        plan = self._disagg.plan(placement.worker, forwarded, avoid=progress.lost_worker_ids)
+        forwarded.prefill_worker_address = plan.prefill_worker_address
         worker = plan.decode
         telemetry.running_on(worker.worker_id)
         worker.num_inflight += 1
-        call = open_generate(
-            plan, forwarded, timeout=_timeout(request.deadline_unix_s), metadata=telemetry.outgoing_metadata()
-        )
+        # One stream of the decode worker's session, colocated or not.
+        call = worker.session.generate(forwarded, metadata=telemetry.outgoing_metadata(),
+                                       timeout=_timeout(request.deadline_unix_s))  # fmt: skip
 
         def account(response: pb.GenerateResponse) -> pb.GenerateResponse:
             """Progress, outcome and token counts of one relayed event; raises WorkerLost."""
