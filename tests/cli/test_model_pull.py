@@ -71,3 +71,4 @@ def test_the_printed_examples_ask_the_served_model_a_question():
     text = usage_text("http://127.0.0.1:8080", "smollm2-135m-instruct", "KEY")
     assert text.count('model="smollm2-135m-instruct"') == 2 and '"model": "smollm2-135m-instruct"' in text
     assert text.count("What is the capital of France?") == 3
+    assert text.count("temperature") == 4  # the note and the 3 examples

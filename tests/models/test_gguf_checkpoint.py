@@ -44,7 +44,8 @@ def _assert_same_tensors(ours: dict[str, np.ndarray], reference: dict[str, np.nd
 def test_an_f32_file_converts_back_to_the_checkpoint_it_was_made_from(architecture, checkpoint_factory, tmp_path):
     original = checkpoint_factory(size="micro", seed=3, architecture=architecture)
     converted = convert_gguf(write_gguf(tmp_path / "model.gguf", original), tmp_path / "hf")
-    _assert_same_tensors(load_file(str(converted / "model.safetensors")), load_file(str(original / "model.safetensors")))
+    weights = load_file(str(converted / "model.safetensors"))
+    _assert_same_tensors(weights, load_file(str(original / "model.safetensors")))
     ours, theirs = ModelConfig.from_pretrained(converted), ModelConfig.from_pretrained(original)
     assert ours.__dict__ | {"eos_token_ids": ()} == theirs.__dict__ | {"eos_token_ids": ()}
     assert ours.eos_token_ids == (theirs.eos_token_ids[0],)  # the GGUF names one EOS; the original adds BOS

@@ -230,22 +230,22 @@ def usage_text(base_url: str, model: str, api_key: str) -> str:
     return f"""
 Flotilla is up: gateway {base_url}, model "{model}".
 API key: {api_key}
-(set FLOTILLA_API_KEY to choose the key; Ctrl-C stops the fleet)
+(set FLOTILLA_API_KEY to choose the key; Ctrl-C stops the fleet; temperature 0 is greedy: the same answer each time)
 
 curl {base_url}/v1/messages \\
   -H "x-api-key: {api_key}" -H "content-type: application/json" \\
-  -d '{{"model": "{model}", "max_tokens": 32,
+  -d '{{"model": "{model}", "max_tokens": 32, "temperature": 0,
        "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
 
 Python, OpenAI SDK:
   from openai import OpenAI
   client = OpenAI(base_url="{base_url}/v1", api_key="{api_key}")
-  print(client.chat.completions.create(model="{model}", max_tokens=32,
+  print(client.chat.completions.create(model="{model}", max_tokens=32, temperature=0,
         messages=[{{"role": "user", "content": "What is the capital of France?"}}]).choices[0].message.content)
 
 Python, Anthropic SDK:
   from anthropic import Anthropic
   client = Anthropic(base_url="{base_url}", api_key="{api_key}")
-  print(client.messages.create(model="{model}", max_tokens=32,
+  print(client.messages.create(model="{model}", max_tokens=32, extra_body={{"temperature": 0}},
         messages=[{{"role": "user", "content": "What is the capital of France?"}}]).content[0].text)
 """

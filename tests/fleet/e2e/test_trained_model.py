@@ -5,12 +5,18 @@ token, with usage and finish reasons to match."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
+import shutil
+import subprocess
+import textwrap
 from pathlib import Path
 
 import anthropic
 import openai
 import pytest
 
+from flotilla.cli.up import usage_text
 from flotilla.models.catalog import DEFAULT_MODEL
 
 from tests.support.fleet import Fleet, fleet_config, start_fleet
@@ -30,7 +36,8 @@ async def _chat(oai: openai.AsyncOpenAI, messages: list[dict], stream: bool) -> 
     kwargs = dict(model=DEFAULT_MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
     if not stream:
         r = await oai.chat.completions.create(**kwargs)
-        return r.choices[0].message.content, r.choices[0].finish_reason, r.usage.prompt_tokens, r.usage.completion_tokens
+        choice, usage = r.choices[0], r.usage
+        return choice.message.content, choice.finish_reason, usage.prompt_tokens, usage.completion_tokens
     text, finish, usage = "", None, None
     async for chunk in await oai.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
         usage = chunk.usage or usage
@@ -52,7 +59,8 @@ async def _message(claude: anthropic.AsyncAnthropic, messages: list[dict], strea
         final = await claude.messages.create(**kwargs)
         text = "".join(block.text for block in final.content)
     reason = {"end_turn": "stop", "max_tokens": "length"}[final.stop_reason]
-    return text, reason, final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0), final.usage.output_tokens
+    usage = final.usage
+    return text, reason, usage.input_tokens + (usage.cache_read_input_tokens or 0), usage.output_tokens
 
 
 def test_both_sdks_answer_as_transformers_does(trained_fleet, trained_reference):
@@ -74,3 +82,18 @@ def test_both_sdks_answer_as_transformers_does(trained_fleet, trained_reference)
     assert results[0][0] == "The capital of France is Paris."
     load = trained_fleet.worker_load()
     assert load.num_free_blocks == load.num_total_blocks
+
+
+def test_the_examples_flotilla_up_prints_get_the_answer(trained_fleet):
+    """`flotilla up`'s curl and SDK examples, run as printed: the keys file holds a Bearer/x-api-key key."""
+    text = usage_text(trained_fleet.url, trained_fleet.model, trained_fleet.api_key)
+    curl, openai_part, anthropic_part = text.split("\n\n")[1:4]
+    for part in (openai_part, anthropic_part):
+        code = textwrap.dedent(part.split(":\n", 1)[1])
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(code, {})
+        assert printed.getvalue() == "The capital of France is Paris.\n"
+    if shutil.which("curl"):
+        answer = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=60, check=True).stdout
+        assert '"text":"The capital of France is Paris."' in answer
