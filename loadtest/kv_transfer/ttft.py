@@ -12,6 +12,7 @@ from typing import NamedTuple
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.engine import LLMEngine
 from flotilla.engine.model.kv_cache import kv_pool_tensor
+from flotilla.engine.new_request import NewRequest
 from flotilla.engine.remote_prefill import KVSender, RemoteTarget
 from flotilla.engine.sampling_params import SamplingParams
 from flotilla.kv_transfer.nixl_transport import NixlTransport
@@ -82,7 +83,7 @@ def _one(engine: LLMEngine, transport, sink: Sink, mode: str, prompt: list[int],
         sender.add_target(transfer_id, RemoteTarget(transfer_id, sink.info.agent_name, list(range(num_blocks)), 0))
     engine.runner.kv_hook = sender
     started = time.monotonic()
-    engine.add_request(transfer_id, prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    engine.add_request(NewRequest(transfer_id, tuple(prompt), SamplingParams(max_tokens=1, temperature=0.0)))
     while engine.has_unfinished_requests():
         engine.step()
     done = time.monotonic()

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from flotilla.engine.errors import ContextLengthError, InvalidRequestError
+from flotilla.engine.new_request import NewRequest
 from flotilla.engine.outputs import EngineStats, RequestOutput
-from flotilla.engine.request import FinishReason, Priority
-from flotilla.engine.sampling_params import SamplingParams
+from flotilla.engine.request import FinishReason
 
 FIRST_TOKEN = 100
 
@@ -37,23 +36,18 @@ class FakeEngine:
         self.thread_ids: set[int] = set()
         self.fail_next_step = False
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        sampling_params: SamplingParams,
-        priority: Priority = Priority.INTERACTIVE,
-        cache_salt: str = "",
-    ) -> None:
+    def add_request(self, new: NewRequest) -> None:
         self.thread_ids.add(threading.get_ident())
-        sampling_params.validate()
-        if not prompt_token_ids:
+        params = new.sampling_params
+        params.validate()
+        num_prompt_tokens = len(new.prompt_token_ids) + len(new.delivered_token_ids)
+        if not new.prompt_token_ids:
             raise InvalidRequestError("prompt", "must contain at least one token")
-        if len(prompt_token_ids) + sampling_params.max_tokens > self.max_model_len:
-            raise ContextLengthError(len(prompt_token_ids), sampling_params.max_tokens, self.max_model_len)
-        if request_id in self.requests:
+        if num_prompt_tokens + params.max_tokens > self.max_model_len:
+            raise ContextLengthError(num_prompt_tokens, params.max_tokens, self.max_model_len)
+        if new.request_id in self.requests:
             raise InvalidRequestError("request_id", "already in use")
-        self.requests[request_id] = _FakeRequest(len(prompt_token_ids), sampling_params.max_tokens)
+        self.requests[new.request_id] = _FakeRequest(num_prompt_tokens, params.max_tokens)
 
     def abort(self, request_id: str) -> bool:
         self.thread_ids.add(threading.get_ident())

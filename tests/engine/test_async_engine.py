@@ -7,8 +7,9 @@ import threading
 
 import pytest
 
-from flotilla.engine.async_engine import AsyncEngine, EngineDeadError
+from flotilla.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from flotilla.engine.errors import ContextLengthError, InvalidRequestError
+from flotilla.engine.new_request import NewRequest
 from flotilla.engine.request import FinishReason
 from flotilla.engine.sampling_params import SamplingParams
 
@@ -23,6 +24,10 @@ async def started(engine) -> AsyncEngine:
     async_engine = AsyncEngine(lambda: engine)
     await async_engine.start()
     return async_engine
+
+
+async def generate(engine: AsyncEngine, request_id: str, prompt: list[int], params: SamplingParams) -> RequestStream:
+    return await engine.generate(NewRequest(request_id, tuple(prompt), params))
 
 
 async def collect(stream) -> list:
@@ -43,7 +48,7 @@ async def wait_first_output(task: asyncio.Task, first: asyncio.Event) -> None:
 async def test_outputs_waiting_together_come_out_merged():
     fake = FakeEngine()
     engine = await started(fake)
-    stream = await engine.generate("r1", [1, 2, 3], SamplingParams(max_tokens=5))
+    stream = await generate(engine, "r1", [1, 2, 3], SamplingParams(max_tokens=5))
     await async_wait_until(lambda: not engine.active_request_ids(), what="the request to finish")
     outputs = await collect(stream)
     assert len(outputs) == 1  # five steps' worth of tokens in one output
@@ -60,7 +65,7 @@ async def test_a_stream_interval_releases_running_tokens_together():
     fake = FakeEngine(step_seconds=0.02)  # slow steps: the consumer keeps up, so merging is the pacer's
     engine = AsyncEngine(lambda: fake, stream_interval_s=0.05)
     await engine.start()
-    stream = await engine.generate("r1", [1, 2, 3], SamplingParams(max_tokens=7))
+    stream = await generate(engine, "r1", [1, 2, 3], SamplingParams(max_tokens=7))
     outputs = await collect(stream)
     assert [o.new_token_ids for o in outputs][0] == [FIRST_TOKEN]  # the first token at once
     # then a release every ~3 steps, and the last token at once: 3 or 4 outputs, not 7
@@ -73,7 +78,7 @@ async def test_a_stream_interval_releases_running_tokens_together():
 async def test_direct_delivery_takes_running_outputs_and_leaves_the_last_to_iteration():
     fake = FakeEngine(step_seconds=0.01)
     engine = await started(fake)
-    stream = await engine.generate("r1", [1, 2, 3], SamplingParams(max_tokens=6))
+    stream = await generate(engine, "r1", [1, 2, 3], SamplingParams(max_tokens=6))
     direct = []
     stream.deliver_directly(lambda output: direct.append(output) or True)
     iterated = await collect(stream)
@@ -87,7 +92,7 @@ async def test_direct_delivery_takes_running_outputs_and_leaves_the_last_to_iter
 async def test_direct_delivery_never_overtakes_an_output_the_consumer_still_holds():
     fake = FakeEngine(step_seconds=0.01)
     engine = await started(fake)
-    stream = await engine.generate("r1", [1, 2, 3], SamplingParams(max_tokens=12))
+    stream = await generate(engine, "r1", [1, 2, 3], SamplingParams(max_tokens=12))
     await asyncio.sleep(0.025)  # outputs queue before the relay sets its handler (a worker's first ones can)
     sink = []  # where a relay's writes land, direct and iterated alike
     stream.deliver_directly(lambda output: sink.append(output) or True)
@@ -101,7 +106,7 @@ async def test_direct_delivery_never_overtakes_an_output_the_consumer_still_hold
 async def test_a_failing_direct_handler_falls_back_to_iteration_without_losing_an_output():
     fake = FakeEngine(step_seconds=0.01)
     engine = await started(fake)
-    stream = await engine.generate("r1", [1, 2, 3], SamplingParams(max_tokens=6))
+    stream = await generate(engine, "r1", [1, 2, 3], SamplingParams(max_tokens=6))
     stream.deliver_directly(lambda output: 1 / 0)
     outputs = await collect(stream)
     assert [t for output in outputs for t in output.new_token_ids] == [FIRST_TOKEN + i for i in range(6)]
@@ -113,22 +118,22 @@ async def test_validation_errors_raise_in_the_caller():
     fake = FakeEngine(max_model_len=10)
     engine = await started(fake)
     with pytest.raises(InvalidRequestError) as bad:
-        await engine.generate("r1", [1], SamplingParams(max_tokens=0))
+        await generate(engine, "r1", [1], SamplingParams(max_tokens=0))
     assert bad.value.field == "max_tokens"
     with pytest.raises(ContextLengthError):
-        await engine.generate("r2", [1] * 8, SamplingParams(max_tokens=5))
+        await generate(engine, "r2", [1] * 8, SamplingParams(max_tokens=5))
     with pytest.raises(InvalidRequestError):
-        await engine.generate("", [1], SamplingParams())
-    stream = await engine.generate("r3", [1], SamplingParams(max_tokens=1))  # a failed id can be used again
+        await generate(engine, "", [1], SamplingParams())
+    stream = await generate(engine, "r3", [1], SamplingParams(max_tokens=1))  # a failed id can be used again
     assert [o.finished for o in await collect(stream)] == [True]
     await engine.shutdown()
 
 
 async def test_duplicate_request_id_is_refused_while_open():
     engine = await started(FakeEngine())
-    stream = await engine.generate("dup", [1], ENDLESS)
+    stream = await generate(engine, "dup", [1], ENDLESS)
     with pytest.raises(InvalidRequestError) as duplicate:
-        await engine.generate("dup", [1], ENDLESS)
+        await generate(engine, "dup", [1], ENDLESS)
     assert duplicate.value.field == "request_id"
     stream.close()
     await engine.shutdown()
@@ -140,7 +145,7 @@ async def test_cancelled_consumer_aborts_the_request():
     first = asyncio.Event()
 
     async def consume():
-        stream = await engine.generate("r1", [1, 2], ENDLESS)
+        stream = await generate(engine, "r1", [1, 2], ENDLESS)
         async for _ in stream:
             first.set()
 
@@ -156,7 +161,7 @@ async def test_cancelled_consumer_aborts_the_request():
 
 async def test_abort_ends_the_stream_with_abort():
     engine = await started(FakeEngine())
-    stream = await engine.generate("r1", [1, 2], ENDLESS)
+    stream = await generate(engine, "r1", [1, 2], ENDLESS)
     assert await engine.abort("r1") is True
     outputs = await collect(stream)
     assert outputs[-1].finished and outputs[-1].finish_reason is FinishReason.ABORT
@@ -168,24 +173,24 @@ async def test_abort_ends_the_stream_with_abort():
 
 async def test_shutdown_ends_open_streams_and_refuses_new_ones():
     engine = await started(FakeEngine())
-    stream = await engine.generate("r1", [1], ENDLESS)
+    stream = await generate(engine, "r1", [1], ENDLESS)
     await engine.shutdown()
     outputs = await collect(stream)
     assert outputs[-1].finish_reason is FinishReason.ABORT
     with pytest.raises(EngineDeadError):
-        await engine.generate("r2", [1], SamplingParams())
+        await generate(engine, "r2", [1], SamplingParams())
 
 
 async def test_a_failing_step_fails_open_streams_and_new_requests():
     fake = FakeEngine()
     engine = await started(fake)
-    stream = await engine.generate("r1", [1], ENDLESS)
+    stream = await generate(engine, "r1", [1], ENDLESS)
     fake.fail_next_step = True
     with pytest.raises(EngineDeadError):
         await collect(stream)
     assert not engine.is_running
     with pytest.raises(EngineDeadError):
-        await engine.generate("r2", [1], SamplingParams())
+        await generate(engine, "r2", [1], SamplingParams())
     await engine.shutdown()
 
 
@@ -206,7 +211,7 @@ async def test_concurrent_generate_equals_offline(tiny_engine):
     expected = greedy_reference(tiny_engine, PROMPTS, max_tokens=6)
     engine = await started(tiny_engine)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    streams = [await engine.generate(f"c{i}", prompt, params) for i, prompt in enumerate(PROMPTS)]
+    streams = [await generate(engine, f"c{i}", prompt, params) for i, prompt in enumerate(PROMPTS)]
     results = await asyncio.gather(*(collect(stream) for stream in streams))
     assert [[t for o in outputs for t in o.new_token_ids] for outputs in results] == expected
     assert all(outputs[-1].finish_reason is FinishReason.LENGTH for outputs in results)
@@ -220,7 +225,7 @@ async def test_consumer_cancel_frees_the_blocks(tiny_engine):
     first = asyncio.Event()
 
     async def consume():
-        stream = await engine.generate("long", list(range(1, 40)), SamplingParams(max_tokens=900, ignore_eos=True))
+        stream = await generate(engine, "long", list(range(1, 40)), SamplingParams(max_tokens=900, ignore_eos=True))
         async for _ in stream:
             first.set()
 

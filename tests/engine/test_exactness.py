@@ -7,6 +7,7 @@ import pytest
 
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.engine import LLMEngine
+from flotilla.engine.new_request import NewRequest
 from flotilla.engine.sampling_params import SamplingParams
 
 
@@ -90,7 +91,7 @@ def test_requests_added_mid_decode_match_transformers(reference):
     done: set[str] = set()
 
     def add(i: int) -> None:
-        engine.add_request(f"r{i}", reference.prompts[i], _greedy(reference.max_tokens[i]))
+        engine.add_request(NewRequest(f"r{i}", tuple(reference.prompts[i]), _greedy(reference.max_tokens[i])))
         outputs[f"r{i}"] = []
 
     for i in pending[:4]:

@@ -7,6 +7,7 @@ import pytest
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.engine import LLMEngine
 from flotilla.engine.errors import ContextLengthError, InvalidRequestError
+from flotilla.engine.new_request import NewRequest
 from flotilla.engine.request import FinishReason
 from flotilla.engine.sampling_params import SamplingParams
 
@@ -57,7 +58,8 @@ def test_stop_string_cuts_text_and_is_never_streamed(engine, reference):
     text = free_run.text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert len(stop) == 3 and stop.strip()
-    engine.add_request("stop-str", reference.prompts[4], SamplingParams(max_tokens=24, temperature=0.0, stop=(stop,), ignore_eos=True))
+    params = SamplingParams(max_tokens=24, temperature=0.0, stop=(stop,), ignore_eos=True)
+    engine.add_request(NewRequest("stop-str", tuple(reference.prompts[4]), params))
     streamed, final = "", None
     while engine.has_unfinished_requests():
         for output in engine.step():
@@ -75,7 +77,8 @@ def test_streamed_text_equals_decode_of_tokens(engine, reference):
 
 
 def test_logprobs_are_returned_when_asked(engine, reference):
-    engine.add_request("lp", reference.prompts[0], SamplingParams(max_tokens=3, temperature=0.0, logprobs=2))
+    params = SamplingParams(max_tokens=3, temperature=0.0, logprobs=2)
+    engine.add_request(NewRequest("lp", tuple(reference.prompts[0]), params))
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()
@@ -86,7 +89,8 @@ def test_logprobs_are_returned_when_asked(engine, reference):
 
 
 def test_abort_frees_blocks_at_once(engine, reference):
-    engine.add_request("to-abort", reference.prompts[6], SamplingParams(max_tokens=50, temperature=0.0))
+    params = SamplingParams(max_tokens=50, temperature=0.0)
+    engine.add_request(NewRequest("to-abort", tuple(reference.prompts[6]), params))
     engine.step()
     assert engine.stats().num_free_blocks < engine.stats().num_total_blocks
     assert engine.abort("to-abort")
@@ -117,7 +121,7 @@ def test_abort_frees_blocks_at_once(engine, reference):
 def test_bad_input_names_the_field_and_changes_nothing(engine, prompt, params, field):
     before = _state(engine)
     with pytest.raises(InvalidRequestError) as error:
-        engine.add_request("bad", prompt, params)
+        engine.add_request(NewRequest("bad", tuple(prompt), params))
     assert error.value.field == field
     assert _state(engine) == before
     assert not engine.has_unfinished_requests()
@@ -127,17 +131,17 @@ def test_prompt_beyond_context_window_names_the_numbers(engine):
     limit = engine.max_model_len
     before = _state(engine)
     with pytest.raises(ContextLengthError) as error:
-        engine.add_request("long", [1] * (limit - 10), SamplingParams(max_tokens=20))
+        engine.add_request(NewRequest("long", (1,) * (limit - 10), SamplingParams(max_tokens=20)))
     message = str(error.value)
     assert str(limit - 10) in message and "20" in message and str(limit) in message
     with pytest.raises(ContextLengthError):
-        engine.add_request("longer", [1] * (limit + 1), SamplingParams(max_tokens=1))
+        engine.add_request(NewRequest("longer", (1,) * (limit + 1), SamplingParams(max_tokens=1)))
     assert _state(engine) == before
 
 
 def test_duplicate_request_id_is_refused(engine, reference):
-    engine.add_request("dup", reference.prompts[0], SamplingParams(max_tokens=2))
+    engine.add_request(NewRequest("dup", tuple(reference.prompts[0]), SamplingParams(max_tokens=2)))
     with pytest.raises(InvalidRequestError) as error:
-        engine.add_request("dup", reference.prompts[0], SamplingParams(max_tokens=2))
+        engine.add_request(NewRequest("dup", tuple(reference.prompts[0]), SamplingParams(max_tokens=2)))
     assert error.value.field == "request_id"
     engine.abort("dup")

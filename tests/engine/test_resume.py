@@ -1,5 +1,5 @@
-"""A stream resumed on another engine (prompt + the tokens already delivered, num_previous_output_tokens)
-continues exactly: the same tokens (greedy, and seeded sampling: the sampler's seeds continue at index N),
+"""A stream resumed on another engine (the prompt and the tokens already delivered, NewRequest) continues
+exactly: the same tokens (greedy, and seeded sampling: the sampler's seeds continue at index N),
 and the same text, with the held-back tail of a stop string or a split character carried across the seam."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.engine import LLMEngine
 from flotilla.engine.errors import InvalidRequestError
+from flotilla.engine.new_request import NewRequest
 from flotilla.engine.sampling_params import SamplingParams
 
 PROMPTS = [[1, 5, 9, 33, 2, 7], [3, 3, 40, 41, 42, 43, 44, 45, 46, 47, 48]]
@@ -30,9 +31,9 @@ def engine(tiny_checkpoint: Path) -> LLMEngine:
     return LLMEngine(EngineConfig(model_dir=str(tiny_checkpoint), num_kv_blocks=256))
 
 
-def _run(engine: LLMEngine, prompt: list[int], params: SamplingParams, num_previous: int = 0) -> Run:
-    request_id = f"r{id(prompt)}-{num_previous}-{params.seed}-{params.temperature}-{len(params.stop)}"
-    engine.add_request(request_id, prompt, params, num_previous_output_tokens=num_previous)
+def _run(engine: LLMEngine, prompt: list[int], params: SamplingParams, delivered: list[int] = ()) -> Run:
+    request_id = f"r{id(prompt)}-{len(delivered)}-{params.seed}-{params.temperature}-{len(params.stop)}"
+    engine.add_request(NewRequest(request_id, tuple(prompt), params, delivered_token_ids=tuple(delivered)))
     run = Run([], [], None, None)
     while True:
         for output in engine.step():
@@ -46,7 +47,7 @@ def _run(engine: LLMEngine, prompt: list[int], params: SamplingParams, num_previ
 
 def _resumed(engine: LLMEngine, prompt: list[int], params: SamplingParams, full: Run, cut: int) -> Run:
     rest = SamplingParams(**{**params.__dict__, "max_tokens": params.max_tokens - cut})
-    return _run(engine, prompt + full.token_ids[:cut], rest, num_previous=cut)
+    return _run(engine, prompt, rest, delivered=full.token_ids[:cut])
 
 
 @pytest.mark.parametrize("params", [
@@ -69,12 +70,12 @@ def test_resume_at_every_cut_continues_the_same_tokens_and_text(engine, params):
 def test_unseeded_sampling_resumes_with_the_request_id_seed(engine):
     # Without a seed the seed comes from (engine seed, request id): the router resumes under the same id.
     params = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
-    engine.add_request("same-id", PROMPTS[0], params)
+    engine.add_request(NewRequest("same-id", tuple(PROMPTS[0]), params))
     full = []
     while len(full) < 8:
         full += [t for o in engine.step() for t in o.new_token_ids]
     rest = SamplingParams(max_tokens=5, temperature=1.0, ignore_eos=True)
-    engine.add_request("same-id", PROMPTS[0] + full[:3], rest, num_previous_output_tokens=3)
+    engine.add_request(NewRequest("same-id", tuple(PROMPTS[0]), rest, delivered_token_ids=tuple(full[:3])))
     resumed = []
     while len(resumed) < 5:
         resumed += [t for o in engine.step() for t in o.new_token_ids]
@@ -100,7 +101,7 @@ def test_stop_string_across_the_seam(engine):
         assert "".join(stopped.deltas[:cut]) + "".join(resumed.deltas) == "".join(stopped.deltas)
 
 
-def test_bad_previous_count_is_refused(engine):
+def test_a_resumed_request_without_its_own_prompt_is_refused(engine):
     with pytest.raises(InvalidRequestError) as err:
-        engine.add_request("bad", [1, 2, 3], SamplingParams(max_tokens=2), num_previous_output_tokens=3)
-    assert err.value.field == "num_previous_output_tokens"
+        engine.add_request(NewRequest("bad", (), SamplingParams(max_tokens=2), delivered_token_ids=(1, 2, 3)))
+    assert err.value.field == "prompt"

@@ -9,11 +9,13 @@ import pytest
 
 from flotilla.api.common.v1 import common_pb2 as common
 from flotilla.api.router.v1 import router_pb2_grpc
+from flotilla.engine.request import FinishReason
 from flotilla.gateway.router_client import RouterClient
+from flotilla.rpc.stream_events import Chunk, Finished, Usage
 
 from tests.support.waiting import async_wait_until
 
-from .fake_router import FakeRouter
+from .fake_router import CACHED_TOKENS, FakeRouter
 
 
 @pytest.fixture
@@ -38,10 +40,12 @@ async def test_generate_streams_until_finished(router):
     _, client = router
     request = common.GenerateRequest(request_id="r1", model="tiny", prompt_token_ids=[1, 2],
                                      sampling=common.SamplingParams(max_tokens=3))
-    events = [(r.WhichOneof("event"), list(r.chunk.token_ids)) async for r in client.generate(request)]
+    events = [event async for event in client.generate(request)]
     # The fake router writes both chunks and the end before its session's writer runs: they arrive in one
-    # message, and chunks that arrive together are read as one.
-    assert events == [("chunk", [100, 101, 102]), ("finished", [])]
+    # message, and chunks that arrive together are read as one, each message decoded once.
+    assert [type(event) for event in events] == [Chunk, Finished]
+    assert list(events[0].token_ids) == [100, 101, 102] and events[0].text == "w0 w1 w2 "
+    assert events[1].reason is FinishReason.LENGTH and events[1].usage == Usage(2, 3, CACHED_TOKENS)
 
 
 async def test_closing_the_stream_at_a_yield_cancels_the_call(router):
@@ -51,6 +55,6 @@ async def test_closing_the_stream_at_a_yield_cancels_the_call(router):
     request = common.GenerateRequest(request_id="r2", model="hang", sampling=common.SamplingParams(max_tokens=5))
     async with aclosing(client.generate(request)) as stream:
         first = await anext(stream)
-        assert first.WhichOneof("event") == "chunk"
+        assert type(first) is Chunk
     await async_wait_until(lambda: "r2" in {r.request_id for r in fake.cancelled}, 10,
                            "the router to see r2 cancelled")

@@ -10,6 +10,7 @@ import torch
 
 from flotilla.engine.engine import LLMEngine
 from flotilla.engine.model.kv_cache import kv_pool_tensor
+from flotilla.engine.new_request import NewRequest
 from flotilla.engine.remote_prefill import KVReservation, KVSender, RemoteTarget, try_reserve
 from flotilla.engine.sampling_params import SamplingParams
 from flotilla.kv_transfer.arrivals import ArrivalTracker
@@ -45,13 +46,14 @@ class EnginePair:
     def prefill_remotely(self, request_id: str, prompt: list[int], params: SamplingParams) -> tuple[KVReservation, int]:
         """Reserve on the decode side, prefill on the prefill side (its request stays unfinished, so its blocks
         can be inspected), wait for every write; returns the reservation and the first token."""
-        reservation = try_reserve(self.decode, request_id, prompt, params)
+        reservation = try_reserve(self.decode, NewRequest(request_id, tuple(prompt), params))
         if reservation is None:
             raise RuntimeError("decode side refused the reservation")
         transfer_id = f"t-{request_id}"
         target = RemoteTarget(transfer_id, self.receiver.name, reservation.dst_block_ids, reservation.first_block_index)
         self.sender.add_target(request_id, target)
-        self.prefill.add_request(request_id, prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        first_only = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        self.prefill.add_request(NewRequest(request_id, tuple(prompt), first_only))
         first = None
         while first is None:
             for output in self.prefill.step():

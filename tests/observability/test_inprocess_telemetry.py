@@ -18,6 +18,7 @@ from flotilla.observability.propagation import incoming_context
 from flotilla.router.metrics import RouterMetrics
 from flotilla.observability.tracing import setup_tracing
 from flotilla.router.telemetry import RouterRequestTelemetry
+from flotilla.rpc.stream_events import Finished, Usage
 from flotilla.worker.telemetry import RequestTelemetry, WorkerMetrics
 
 
@@ -43,7 +44,7 @@ def test_one_span_tree_through_metadata(spans: InMemorySpanExporter):
     worker.on_output(_output([5], False))
     worker.on_output(_output([6, 7], True))
     worker.finish("length")
-    router.on_response(pb.GenerateResponse(finished=pb.Finished()))
+    router.on_result(Finished(FinishReason.LENGTH, Usage(7, 3, 0)))
     router.finish()
     gateway.outcome = "length"
     gateway.finish(worker.timer, 7)

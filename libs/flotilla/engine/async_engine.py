@@ -6,7 +6,7 @@ steps and sleeps on the condition while there is nothing to do (no busy spin). E
 the loop in one `call_soon_threadsafe` call and land in per-request asyncio queues; a consumer that finds
 several outputs waiting gets them merged into one (several tokens per gRPC message).
 
-Contract: `await generate(...)` raises InvalidRequestError / ContextLengthError in the caller before any
+Contract: `await generate(new_request)` raises InvalidRequestError / ContextLengthError in the caller before any
 token is produced, then returns a RequestStream. A stream that is closed or whose consumer is cancelled
 before the request finished aborts it in the engine at the next step boundary.
 """
@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 from flotilla.engine.engine import LLMEngine
 from flotilla.engine.errors import InvalidRequestError
 from flotilla.engine.inbox import Inbox
+from flotilla.engine.new_request import NewRequest
 from flotilla.engine.outputs import EngineStats, RequestOutput
 from flotilla.engine.request import FinishReason, Priority
 from flotilla.engine.sampling_params import SamplingParams
@@ -47,14 +48,10 @@ class EngineSnapshot(NamedTuple):
 @dataclass
 class _Add:
     request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    priority: Priority
-    cache_salt: str
     stream: RequestStream
     ack: asyncio.Future[None]
+    new: NewRequest | None = None  # what to queue, or:
     prefilled: Prefilled | None = None  # a remote prefill's request and first token: admit it as running
-    num_previous_output_tokens: int = 0  # a resumed stream (see LLMEngine.add_request)
 
 
 class Prefilled(NamedTuple):
@@ -148,26 +145,22 @@ class AsyncEngine:
         return self.snapshot().active_request_ids
 
     # ---- requests (loop side) ----------------------------------------------------------------------
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        sampling_params: SamplingParams,
-        priority: Priority = Priority.INTERACTIVE,
-        cache_salt: str = "",
-        num_previous_output_tokens: int = 0,
-    ) -> RequestStream:
-        """Add a request; raises InvalidRequestError here if the engine refuses it, else returns its stream."""
+    async def generate(self, new: NewRequest, *legacy_args: Any, **legacy_kwargs: Any) -> RequestStream:
+        """Add a request; raises InvalidRequestError here if the engine refuses it, else returns its stream.
+        `legacy_args`: the parameter list that NewRequest replaced, for worker/prefill_side.py only, until
+        it passes a NewRequest (see _legacy_request)."""
+        if not isinstance(new, NewRequest):
+            new = _legacy_request(new, *legacy_args, **legacy_kwargs)
         self._check_running()
+        request_id = new.request_id
         if not request_id:
             raise InvalidRequestError("request_id", "must not be empty")
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        stream = RequestStream(self, request_id, len(prompt_token_ids))
+        stream = RequestStream(self, request_id, len(new.prompt_token_ids) + len(new.delivered_token_ids))
         self._streams[request_id] = stream
         ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._submit(_Add(request_id, list(prompt_token_ids), sampling_params, priority, cache_salt, stream, ack,
-                          num_previous_output_tokens=num_previous_output_tokens))
+        self._submit(_Add(request_id, stream, ack, new=new))
         try:
             await ack
         except asyncio.CancelledError:
@@ -194,8 +187,7 @@ class AsyncEngine:
         stream = RequestStream(self, request.request_id, request.num_prompt_tokens)
         self._streams[request.request_id] = stream
         ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._submit(_Add(request.request_id, [], request.sampling_params, request.priority, request.cache_salt,
-                          stream, ack, prefilled))  # fmt: skip
+        self._submit(_Add(request.request_id, stream, ack, prefilled=prefilled))
         try:
             await ack
         except BaseException:
@@ -305,15 +297,7 @@ class AsyncEngine:
         if command.prefilled is not None:
             return self._apply_prefilled(engine, command)
         try:
-            engine.add_request(
-                command.request_id,
-                command.prompt_token_ids,
-                command.sampling_params,
-                command.priority,
-                command.cache_salt,
-                # only when resuming: engines without resume support (test fakes) keep working
-                **({"num_previous_output_tokens": n} if (n := command.num_previous_output_tokens) else {}),
-            )
+            engine.add_request(command.new)
         except Exception as exc:  # validation errors (and bugs) go back to the caller, not the thread
             return _Ack(command.ack, None, exc)
         self._active[command.request_id] = command.stream
@@ -514,3 +498,14 @@ def _deliver(deliveries: list[tuple[RequestStream, RequestOutput]]) -> None:
 def _push_all(streams: list[RequestStream], item: Any) -> None:
     for stream in streams:
         stream._push(item)
+
+
+def _legacy_request(request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
+                    priority: Priority = Priority.INTERACTIVE, cache_salt: str = "",
+                    num_previous_output_tokens: int = 0) -> NewRequest:
+    """The parameter list generate() took before NewRequest; worker/prefill_side.py (owned by the
+    disaggregation work) still passes it. Delete once it passes new_request_from_proto's NewRequest."""
+    prompt = tuple(prompt_token_ids)
+    num_prompt = len(prompt) - num_previous_output_tokens
+    return NewRequest(request_id, prompt[:num_prompt], sampling_params, priority, cache_salt,
+                      delivered_token_ids=prompt[num_prompt:])

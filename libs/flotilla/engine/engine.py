@@ -16,6 +16,7 @@ from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.model.kv_cache import num_blocks_for_budget
 from flotilla.engine.model.loader import load_model
 from flotilla.engine.model_runner import ModelRunner
+from flotilla.engine.new_request import NewRequest
 from flotilla.engine.outputs import EngineStats, RequestOutput
 from flotilla.engine.request import FinishReason, Priority, Request
 from flotilla.engine.sampling_params import SamplingParams
@@ -76,42 +77,27 @@ class LLMEngine:
         return num_blocks
 
     # ---- requests ------------------------------------------------------------------------------
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        sampling_params: SamplingParams,
-        priority: Priority = Priority.INTERACTIVE,
-        cache_salt: str = "",
-        num_previous_output_tokens: int = 0,
-    ) -> None:
+    def add_request(self, new: NewRequest) -> None:
         """Validate and queue a request. Raises InvalidRequestError (or ContextLengthError) naming the field
-        before any state changes. `num_previous_output_tokens` (a resumed stream): the prompt's last N tokens
-        were generated before; sampling continues at output index N, text continues after theirs."""
-        request = self._build_request(
-            request_id, prompt_token_ids, sampling_params, priority, cache_salt, num_previous_output_tokens
-        )
+        before any state changes. A resumed stream (its delivered tokens, new_request.py) is prefilled with
+        them; sampling continues at output index len(delivered), text continues after theirs."""
+        request = self._build_request(new)
         self.scheduler.add_request(request)  # validates id, context window and KV capacity
-        self._tracked[request_id] = self._track(request)
+        self._tracked[new.request_id] = self._track(request)
         self._num_prompt_tokens_total += request.num_prompt_tokens
 
-    def _build_request(
-        self, request_id, prompt_token_ids, sampling_params, priority, cache_salt, num_previous_output_tokens=0
-    ) -> Request:
-        sampling_params.validate(max_tokens_limit=self.max_model_len)
-        prompt = self._validated_prompt(prompt_token_ids)
-        num_previous = num_previous_output_tokens
-        if not isinstance(num_previous, int) or not 0 <= num_previous < len(prompt):
-            raise InvalidRequestError("num_previous_output_tokens",
-                                      f"must be in [0, {len(prompt)}), got {num_previous!r}")
+    def _build_request(self, new: NewRequest) -> Request:
+        new.sampling_params.validate(max_tokens_limit=self.max_model_len)
+        if not new.prompt_token_ids:  # a resumed stream too: its own prompt, not only what it delivered
+            raise InvalidRequestError("prompt", "must contain at least one token")
         return Request(
-            request_id=request_id,
-            prompt_token_ids=prompt,
-            sampling_params=sampling_params,
-            priority=Priority(priority),
-            cache_salt=cache_salt,
+            request_id=new.request_id,
+            prompt_token_ids=self._validated_prompt([*new.prompt_token_ids, *new.delivered_token_ids]),
+            sampling_params=new.sampling_params,
+            priority=Priority(new.priority),
+            cache_salt=new.cache_salt,
             eos_token_ids=tuple(self.tokenizer.eos_token_ids),
-            num_previous_output_tokens=num_previous,
+            num_previous_output_tokens=len(new.delivered_token_ids),
         )
 
     def _track(self, request: Request) -> _Tracked:
@@ -128,20 +114,10 @@ class LLMEngine:
         return tracked
 
     # ---- remote prefill (see flotilla.engine.remote_prefill) -----------------------------------------
-    def new_request(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        sampling_params: SamplingParams,
-        priority: Priority = Priority.INTERACTIVE,
-        cache_salt: str = "",
-        num_previous_output_tokens: int = 0,
-    ) -> Request:
-        """A validated request that is NOT queued: a decode worker reserves its KV blocks first.
-        `num_previous_output_tokens`: a resumed stream, as in add_request."""
-        request = self._build_request(
-            request_id, prompt_token_ids, sampling_params, priority, cache_salt, num_previous_output_tokens
-        )
+    def new_request(self, new: NewRequest) -> Request:
+        """A validated request that is NOT queued: a decode worker reserves its KV blocks first (a resumed
+        stream's too, as in add_request)."""
+        request = self._build_request(new)
         self.scheduler.validate_new(request)
         return request
 
@@ -159,10 +135,7 @@ class LLMEngine:
         runner_output = ModelRunnerOutput(logprobs={request.request_id: logprobs} if logprobs else {})
         return self._advance(tracked, first_token_id, runner_output)
 
-    def _validated_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
-        prompt = list(prompt_token_ids)
-        if not prompt:
-            raise InvalidRequestError("prompt", "must contain at least one token")
+    def _validated_prompt(self, prompt: list[int]) -> list[int]:
         vocab_size = self.model_config.vocab_size
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in prompt):
             raise InvalidRequestError("prompt", f"token ids must be integers in [0, {vocab_size})")
@@ -233,7 +206,7 @@ class LLMEngine:
         results = {request_id: GenerationResult([], "", None, 0, 0) for request_id in ids}
         for request_id, prompt, sampling in zip(ids, prompts, params_list):
             token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            self.add_request(request_id, token_ids, sampling)
+            self.add_request(NewRequest(request_id, tuple(token_ids), sampling))
             results[request_id].num_prompt_tokens = len(token_ids)
         pending = set(ids)
         while pending:

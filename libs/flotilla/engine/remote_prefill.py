@@ -23,8 +23,8 @@ from typing import NamedTuple
 
 from flotilla.engine.engine import LLMEngine
 from flotilla.engine.kv_cache_manager import ComputedBlocks
-from flotilla.engine.request import Priority, Request
-from flotilla.engine.sampling_params import SamplingParams
+from flotilla.engine.new_request import NewRequest
+from flotilla.engine.request import Request
 from flotilla.engine.scheduler_output import SchedulerOutput
 from flotilla.kv_transfer.arrivals import notif_message
 from flotilla.kv_transfer.transport import KVTransferError, KVTransport, WriteTicket, wait_all
@@ -157,21 +157,11 @@ class KVReservation(NamedTuple):
         return self.request.num_computed_tokens
 
 
-def try_reserve(
-    engine: LLMEngine,
-    request_id: str,
-    prompt_token_ids: Sequence[int],
-    sampling_params: SamplingParams,
-    priority: Priority = Priority.INTERACTIVE,
-    cache_salt: str = "",
-    min_remote_tokens: int = 1,
-    num_previous_output_tokens: int = 0,
-) -> KVReservation | None:
-    """Reserve blocks for a remote prefill of this request, or None when it should be prefilled here: its
-    uncached part is shorter than `min_remote_tokens`, or its projected KV does not fit now. Raises
-    InvalidRequestError like add_request. `num_previous_output_tokens`: a resumed stream (add_request)."""
-    request = engine.new_request(request_id, prompt_token_ids, sampling_params, priority, cache_salt,
-                                 num_previous_output_tokens)  # fmt: skip
+def try_reserve(engine: LLMEngine, new: NewRequest, min_remote_tokens: int = 1) -> KVReservation | None:
+    """Reserve blocks for a remote prefill of this request (a resumed stream's too, add_request), or None when
+    it should be prefilled here: its uncached part is shorter than `min_remote_tokens`, or its projected KV
+    does not fit now. Raises InvalidRequestError like add_request."""
+    request = engine.new_request(new)
     kv = engine.kv_cache_manager
     hit = kv.get_computed_blocks(request)
     num_cached_blocks = hit.num_tokens // kv.block_size  # whole blocks only: no copy-on-write of a tail
@@ -179,12 +169,12 @@ def try_reserve(
     num_uncached = request.num_prompt_tokens - computed.num_tokens
     if num_uncached < max(1, min_remote_tokens):
         return None
-    lookahead = min(engine.config.num_lookahead_steps, sampling_params.max_tokens)
+    lookahead = min(engine.config.num_lookahead_steps, new.sampling_params.max_tokens)
     if not kv.can_fit(kv.num_blocks_needed(request, request.num_prompt_tokens + lookahead, computed)):
         return None
     if kv.allocate_slots(request, num_uncached, computed, publish=False) is None:
         return None
-    return KVReservation(request, num_cached_blocks, kv.block_ids(request_id)[num_cached_blocks:])
+    return KVReservation(request, num_cached_blocks, kv.block_ids(new.request_id)[num_cached_blocks:])
 
 
 def release(engine: LLMEngine, reservation: KVReservation) -> None:

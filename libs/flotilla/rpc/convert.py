@@ -1,4 +1,7 @@
-"""Conversions between the gRPC messages (flotilla.common.v1) and the engine's Python types."""
+"""Conversions between the gRPC messages (flotilla.common.v1) and the Python types, both directions, in one
+place: a request is a NewRequest (engine/new_request.py) on either side of the wire; a stream leaves a worker
+as RequestOutputs turned into GenerateResponses, and each hop above it decodes every GenerateResponse once into
+a StreamEvent (rpc/stream_events.py)."""
 
 from __future__ import annotations
 
@@ -6,16 +9,20 @@ from collections.abc import Sequence
 
 from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.engine.errors import ContextLengthError, InvalidRequestError
+from flotilla.engine.new_request import NewRequest
 from flotilla.engine.outputs import EngineStats, RequestOutput
 from flotilla.engine.request import FinishReason, Priority
 from flotilla.engine.sampling_params import SamplingParams
 from flotilla.engine.scheduler_output import TokenLogprobs
+from flotilla.rpc.stream_events import Chunk, Error, Finished, StreamEvent, Usage
 
 _FINISH_REASONS = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
+# An unspecified reason is read as STOP (what the gateway always did).
+_FINISH_REASONS_FROM_PROTO = {value: reason for reason, value in _FINISH_REASONS.items()}
 _PRIORITIES = {
     pb.PRIORITY_CLASS_UNSPECIFIED: Priority.INTERACTIVE,
     pb.PRIORITY_CLASS_INTERACTIVE: Priority.INTERACTIVE,
@@ -66,29 +73,49 @@ def priority_to_proto(priority: Priority) -> int:
     return pb.PRIORITY_CLASS_BATCH if priority is Priority.BATCH else pb.PRIORITY_CLASS_INTERACTIVE
 
 
-def generate_request(
-    request_id: str,
-    model: str,
-    prompt_token_ids: Sequence[int],
-    params: SamplingParams,
-    priority: Priority = Priority.INTERACTIVE,
-    cache_salt: str = "",
-    tenant_id: str = "",
-    deadline_unix_s: float = 0.0,
-) -> pb.GenerateRequest:
-    return pb.GenerateRequest(
-        request_id=request_id,
-        model=model,
-        prompt_token_ids=list(prompt_token_ids),
-        sampling=sampling_params_to_proto(params),
-        priority=priority_to_proto(priority),
-        cache_salt=cache_salt,
-        tenant_id=tenant_id,
-        deadline_unix_s=deadline_unix_s,
+def new_request_from_proto(msg: pb.GenerateRequest) -> NewRequest:
+    """The engine's view of a request; a resumed one's delivered tokens come apart from its prompt again.
+    Raises InvalidRequestError for a priority or resume count that cannot be read; the rest is the engine's."""
+    token_ids = tuple(msg.prompt_token_ids)
+    num_delivered = msg.num_previous_output_tokens
+    if num_delivered and num_delivered >= len(token_ids):
+        raise InvalidRequestError("num_previous_output_tokens",
+                                  f"must be in [0, {len(token_ids)}), got {num_delivered}")
+    num_prompt = len(token_ids) - num_delivered
+    return NewRequest(
+        request_id=msg.request_id,
+        prompt_token_ids=token_ids[:num_prompt] if num_delivered else token_ids,
+        sampling_params=sampling_params_from_proto(msg.sampling),
+        priority=priority_from_proto(msg.priority),
+        cache_salt=msg.cache_salt,
+        tenant_id=msg.tenant_id,
+        deadline_unix_s=msg.deadline_unix_s,
+        delivered_token_ids=token_ids[num_prompt:] if num_delivered else (),
     )
 
 
-# ---- stream events ---------------------------------------------------------------------------------
+def new_request_to_proto(request: NewRequest, model: str, key_id: str = "", max_queue_wait_s: float = 0.0,
+                         tenant_weight: int = 0) -> pb.GenerateRequest:
+    """`model` and the rest are the router's alone (which version, usage ledger, admission's wait budget and
+    fair share); a resumed request's delivered tokens travel at the end of the prompt (common.proto)."""
+    delivered = request.delivered_token_ids
+    return pb.GenerateRequest(
+        request_id=request.request_id,
+        model=model,
+        prompt_token_ids=request.prompt_token_ids + delivered if delivered else request.prompt_token_ids,
+        sampling=sampling_params_to_proto(request.sampling_params),
+        priority=priority_to_proto(request.priority),
+        cache_salt=request.cache_salt,
+        tenant_id=request.tenant_id,
+        deadline_unix_s=request.deadline_unix_s,
+        num_previous_output_tokens=len(delivered),
+        key_id=key_id,
+        max_queue_wait_s=max_queue_wait_s,
+        tenant_weight=tenant_weight,
+    )
+
+
+# ---- stream events: worker side (RequestOutput -> GenerateResponse) --------------------------------
 def chunk_response(output: RequestOutput, worker_id: str = "") -> pb.GenerateResponse | None:
     """The tokens and text of one (possibly coalesced) output; None when it carries neither."""
     if not output.new_token_ids and not output.text_delta:
@@ -144,6 +171,37 @@ def invalid_request_response(exc: InvalidRequestError, worker_id: str = "") -> p
         else pb.ERROR_CODE_INVALID_REQUEST
     )
     return error_response(code, exc.message, exc.field, worker_id)
+
+
+# ---- stream events: caller side (GenerateResponse -> StreamEvent, once per hop) -----------------------
+def stream_event(response: pb.GenerateResponse) -> StreamEvent:
+    """The event of one message. A chunk's token ids are not copied (see Chunk); a message without an event
+    reads as an empty chunk, which every consumer passes over."""
+    kind = response.WhichOneof("event")
+    if kind == "chunk":
+        chunk = response.chunk
+        logprobs = chunk.logprobs
+        return Chunk(chunk.token_ids, chunk.text, tuple(map(_logprobs_from_proto, logprobs)) if logprobs else ())
+    if kind == "finished":
+        finished = response.finished
+        usage = finished.usage
+        return Finished(
+            reason=_FINISH_REASONS_FROM_PROTO.get(finished.reason, FinishReason.STOP),
+            usage=Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens),
+            stop_sequence=finished.stop_sequence or None,
+            stop_token_id=finished.stop_token_id if finished.HasField("stop_token_id") else None,
+            num_attempts=response.num_attempts,
+            model_version=response.model_version,
+        )
+    if kind == "error":
+        error = response.error
+        return Error(error.code, error.message, error.field, error.retry_after_s, response.num_attempts,
+                     response.model_version)
+    return Chunk((), "")
+
+
+def _logprobs_from_proto(msg: pb.TokenLogprob) -> TokenLogprobs:
+    return TokenLogprobs(msg.logprob, list(zip(msg.top_token_ids, msg.top_logprobs)))
 
 
 # ---- load ------------------------------------------------------------------------------------------

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from flotilla.api.common.v1 import common_pb2 as common
+from flotilla.engine.request import FinishReason, Priority
 from flotilla.gateway.auth import Principal
 from flotilla.gateway.dialects import Dialect
 from flotilla.gateway.errors import ErrorKind, GatewayError
+from flotilla.rpc.stream_events import Chunk, Finished, StreamEvent
 from flotilla.tenancy.errors import BackendUnavailable
 from flotilla.tenancy.admission_policy import AdmissionPolicy
 from flotilla.tenancy.gatekeeper import Gatekeeper, QuotaExceeded, Reservation
@@ -26,7 +26,7 @@ from flotilla.tenancy.quota import QuotaState, Reason
 
 DEADLINE_HEADER = "x-flotilla-deadline-ms"
 RESPONSE_HEADERS_SCOPE_KEY = "flotilla.response_headers"  # sent by RequestContextMiddleware
-_PRIORITIES = {"interactive": common.PRIORITY_CLASS_INTERACTIVE, "batch": common.PRIORITY_CLASS_BATCH}
+_PRIORITIES = {"interactive": Priority.INTERACTIVE, "batch": Priority.BATCH}
 _REFUSALS = {Reason.TOKENS: "tokens per minute", Reason.REQUESTS: "requests per minute",
              Reason.CONCURRENCY: "concurrent requests"}
 
@@ -35,16 +35,10 @@ _REFUSALS = {Reason.TOKENS: "tokens per minute", Reason.REQUESTS: "requests per 
 class RouteTicket:
     """What the router needs to queue the request fairly and to shed it when the fleet is overloaded."""
 
-    priority: int
-    deadline_unix_s: float
+    priority: Priority
+    deadline_unix_s: float  # 0 = none
     max_queue_wait_s: float
     tenant_weight: int
-
-    def apply(self, request: common.GenerateRequest) -> None:
-        request.priority = self.priority
-        request.deadline_unix_s = self.deadline_unix_s
-        request.max_queue_wait_s = self.max_queue_wait_s
-        request.tenant_weight = self.tenant_weight
 
 
 @dataclass(frozen=True)
@@ -54,8 +48,11 @@ class Admitted:
     gatekeeper: Gatekeeper | None
     num_prompt_tokens: int
 
-    def watch(self, events: AsyncIterator) -> SettledEvents:
-        return SettledEvents(events, self)
+    def settlement(self) -> QuotaSettlement | None:
+        """The tap on the request's router stream that settles its reservation; None without a gatekeeper."""
+        if self.gatekeeper is None or self.reservation is None:
+            return None
+        return QuotaSettlement(self.gatekeeper, self.reservation, self.num_prompt_tokens)
 
 
 async def admit(request: Request, gatekeeper: Gatekeeper | None, policy: AdmissionPolicy, dialect: Dialect,
@@ -112,43 +109,27 @@ def _header_list(dialect: Dialect, state: QuotaState, as_bytes: bool = True) -> 
     return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
 
 
-class SettledEvents:
-    """The router event stream of an admitted request; closing it, or reaching its end, settles the
-    reservation exactly once: prompt + generated tokens are kept, the rest refunded. A stream that
-    produced nothing (refused by the router, cancelled while queued) keeps nothing."""
+class QuotaSettlement:
+    """Settles a reservation exactly once when the router stream ends, however it ends: prompt + generated
+    tokens are kept, the rest refunded. A stream that produced nothing (refused by the router, cancelled while
+    queued, aborted before a token) keeps nothing."""
 
-    def __init__(self, events: AsyncIterator, admitted: Admitted):
-        self._events = events
-        self._admitted = admitted
+    __slots__ = ("_gatekeeper", "_reservation", "_num_prompt_tokens", "_num_output_tokens", "_produced")
+
+    def __init__(self, gatekeeper: Gatekeeper, reservation: Reservation, num_prompt_tokens: int):
+        self._gatekeeper = gatekeeper
+        self._reservation = reservation
+        self._num_prompt_tokens = num_prompt_tokens
         self._num_output_tokens = 0
         self._produced = False
-        self._settled = False
 
-    def __aiter__(self) -> SettledEvents:
-        return self
-
-    async def __anext__(self):
-        try:
-            event = await anext(self._events)
-        except BaseException:
-            self._settle()
-            raise
-        self._produced = True
-        if isinstance(event, common.TokenChunk):
+    def on_event(self, event: StreamEvent) -> None:
+        if type(event) is Chunk:
             self._num_output_tokens += len(event.token_ids)
-        return event
+            self._produced = True
+        elif type(event) is Finished and event.reason is not FinishReason.ABORT:
+            self._produced = True
 
-    async def aclose(self) -> None:
-        try:
-            await self._events.aclose()
-        finally:
-            self._settle()
-
-    def _settle(self) -> None:
-        if self._settled:
-            return
-        self._settled = True
-        admitted = self._admitted
-        if admitted.gatekeeper is not None and admitted.reservation is not None:
-            used = admitted.num_prompt_tokens + self._num_output_tokens if self._produced else 0
-            admitted.gatekeeper.settle_soon(admitted.reservation, used)
+    def on_end(self, error: GatewayError | None) -> None:
+        used = self._num_prompt_tokens + self._num_output_tokens if self._produced else 0
+        self._gatekeeper.settle_soon(self._reservation, used)

@@ -9,7 +9,6 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from flotilla.api.common.v1 import common_pb2 as common
 from flotilla.engine.request import FinishReason
 from flotilla.gateway.admission import admit
 from flotilla.gateway.anthropic_schema import MessagesRequest
@@ -18,10 +17,11 @@ from flotilla.gateway.body import parse_body, read_body
 from flotilla.gateway.context import arrival_time, dialect_endpoint, gateway_context, request_id
 from flotilla.gateway.dialects import Dialect, error_body
 from flotilla.gateway.errors import ErrorKind, GatewayError
-from flotilla.gateway.generation import (Job, Outcome, Usage, check_context_window, checked_sampling, collect,
-                                         router_events, tokenize, until_disconnected)
+from flotilla.gateway.generation import (Job, check_context_window, checked_sampling, collect, router_events,
+                                         tokenize, until_disconnected)
 from flotilla.gateway.model_registry import TokenizerLike
 from flotilla.gateway.sse import Events, SSEResponse, first_event, sse_json
+from flotilla.rpc.stream_events import Chunk, Finished, Usage
 
 
 @dialect_endpoint(Dialect.ANTHROPIC)
@@ -40,15 +40,16 @@ async def create_message(request: Request) -> Response:
     check_context_window(len(prompt_ids), params.max_tokens, model.max_model_len)
     admitted = await admit(request, ctx.gatekeeper, ctx.settings.admission, Dialect.ANTHROPIC, principal,
                            request_id(request), len(prompt_ids), params.max_tokens)
-    job = Job(request_id(request), model, principal, prompt_ids, sampling, arrival_time(request), admitted.ticket)
-    events = admitted.watch(router_events(ctx.backend, job, requested, ctx.metrics))
+    job = Job.create(request_id(request), model, principal, prompt_ids, sampling, arrival_time(request),
+                     admitted.ticket)
+    events = router_events(ctx, job, requested, admitted)
     message_id = "msg_" + job.request_id.removeprefix("req_")
     if params.stream:
         first = await first_event(request, events)
         return SSEResponse(_message_events(message_id, job, first, events, ctx.metrics), ping=PING)
     async with aclosing(events):
         generation = await until_disconnected(request, collect(events))
-    return JSONResponse(message_body(message_id, job.model.name, [_text_block(generation.text)], generation.outcome))
+    return JSONResponse(message_body(message_id, job.model.name, [_text_block(generation.text)], generation.finished))
 
 
 def encode_messages(tokenizer: TokenizerLike, params: MessagesRequest) -> list[int]:
@@ -63,12 +64,12 @@ def encode_messages(tokenizer: TokenizerLike, params: MessagesRequest) -> list[i
     return tokenizer.encode_chat(messages)
 
 
-def message_body(message_id: str, model: str, content: list[dict], outcome: Outcome | None,
+def message_body(message_id: str, model: str, content: list[dict], finished: Finished | None,
                  usage: dict | None = None) -> dict:
     return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": _stop_reason(outcome) if outcome else None,
-            "stop_sequence": outcome.stop_sequence if outcome else None,
-            "usage": usage if usage is not None else usage_body(outcome.usage)}
+            "stop_reason": _stop_reason(finished) if finished else None,
+            "stop_sequence": finished.stop_sequence if finished else None,
+            "usage": usage if usage is not None else usage_body(finished.usage)}
 
 
 def usage_body(usage: Usage) -> dict:
@@ -77,18 +78,18 @@ def usage_body(usage: Usage) -> dict:
             "cache_read_input_tokens": usage.cached_prompt_tokens, "output_tokens": usage.completion_tokens}
 
 
-async def _message_events(message_id: str, job: Job, first: common.TokenChunk | Outcome, events: Events,
+async def _message_events(message_id: str, job: Job, first: Chunk | Finished, events: Events,
                           metrics) -> AsyncIterator[bytes]:
     metrics.streams_in_flight.inc()
     try:
-        start_usage = {"input_tokens": len(job.prompt_token_ids), "output_tokens": 0}
+        start_usage = {"input_tokens": job.num_prompt_tokens, "output_tokens": 0}
         start = message_body(message_id, job.model.name, [], None, usage=start_usage)
         yield sse_json({"type": "message_start", "message": start}, "message_start")
         yield sse_json({"type": "content_block_start", "index": 0, "content_block": _text_block("")},
                        "content_block_start")
         yield PING
         event = first
-        while not isinstance(event, Outcome):
+        while type(event) is Chunk:
             if event.text:
                 delta = {"type": "text_delta", "text": event.text}
                 yield sse_json({"type": "content_block_delta", "index": 0, "delta": delta}, "content_block_delta")
@@ -111,10 +112,10 @@ def _text_block(text: str) -> dict:
     return {"type": "text", "text": text}
 
 
-def _stop_reason(outcome: Outcome) -> str:
-    if outcome.finish_reason is FinishReason.LENGTH:
+def _stop_reason(finished: Finished) -> str:
+    if finished.reason is FinishReason.LENGTH:
         return "max_tokens"
-    return "stop_sequence" if outcome.stop_sequence else "end_turn"
+    return "stop_sequence" if finished.stop_sequence else "end_turn"
 
 
 def _or(value, default):

@@ -21,18 +21,21 @@ from flotilla.gateway.router_client import RouterBackend
 from flotilla.gateway.settings import GatewaySettings
 from flotilla.tenancy.gatekeeper import Gatekeeper
 from flotilla.tenancy.local_quota import LocalQuotaStore
+from flotilla.usage.ledger import UsageLedger
 
 
 def create_app(settings: GatewaySettings, backend: RouterBackend, key_store: KeyStore | None,
                tokenizer_loader: TokenizerLoader = load_engine_tokenizer,
-               metrics: GatewayMetrics | None = None, gatekeeper: Gatekeeper | None = None) -> FastAPI:
-    """The app does not own `backend` or `gatekeeper`: whoever made them closes them after the server
-    stops. Without a gatekeeper, `key_store` (in memory, in-process quotas) authenticates; neither: no auth."""
+               metrics: GatewayMetrics | None = None, gatekeeper: Gatekeeper | None = None,
+               ledger: UsageLedger | None = None) -> FastAPI:
+    """The app does not own `backend`, `gatekeeper` or `ledger`: whoever made them closes them after the server
+    stops. Without a gatekeeper, `key_store` (in memory, in-process quotas) authenticates; neither: no auth.
+    With a ledger, every request that reaches the router leaves a usage record."""
     metrics = metrics or GatewayMetrics()
     registry = ModelRegistry(backend, tokenizer_loader, settings.min_refresh_gap_s)
     if gatekeeper is None and key_store is not None:
         gatekeeper = Gatekeeper(key_store.as_async(), LocalQuotaStore())
-    context = GatewayContext(settings, backend, registry, key_store, metrics, gatekeeper)
+    context = GatewayContext(settings, backend, registry, key_store, metrics, gatekeeper, ledger)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

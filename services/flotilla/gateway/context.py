@@ -22,6 +22,7 @@ from flotilla.gateway.router_client import RouterBackend
 from flotilla.gateway.settings import GatewaySettings
 from flotilla.tenancy.gatekeeper import Gatekeeper
 from flotilla.gateway.telemetry import http_request_span
+from flotilla.usage.ledger import UsageLedger
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class GatewayContext:
     key_store: KeyStore | None
     metrics: GatewayMetrics
     gatekeeper: Gatekeeper | None = None  # tenancy: keys, quotas, Redis-down policy; None = auth off
+    ledger: UsageLedger | None = None  # usage records (usage_meter.py); None = off
 
 
 def gateway_context(request: Request) -> GatewayContext:

@@ -11,6 +11,7 @@ import enum
 import grpc
 
 from flotilla.api.common.v1 import common_pb2 as common
+from flotilla.rpc.stream_events import Error
 
 
 class ErrorKind(enum.Enum):
@@ -80,7 +81,7 @@ _GRPC_CODES = {
 }
 
 
-def error_from_router(error: common.Error) -> GatewayError:
+def error_from_router(error: Error) -> GatewayError:
     kind, code = _ROUTER_CODES.get(error.code, (ErrorKind.INTERNAL, None))
     message = error.message or f"router error {common.ErrorCode.Name(error.code)}"
     return GatewayError(kind, message, param=error.field or None, code=code,

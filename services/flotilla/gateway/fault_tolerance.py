@@ -1,5 +1,5 @@
-"""The gateway's fault-tolerance parts, opened together by the server: the usage ledger (a tap on the router
-stream), Idempotency-Key replays and resumable streams (ASGI middlewares around the app)."""
+"""The gateway's fault-tolerance parts, opened together by the server: the usage ledger (whose tap on the router
+stream is usage_meter.py), Idempotency-Key replays and resumable streams (ASGI middlewares around the app)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 
-from flotilla.gateway.router_client import RouterBackend
 from flotilla.gateway.settings import GatewaySettings
-from flotilla.gateway.usage_meter import MeteredBackend
 from flotilla.usage.ledger import UsageLedger
 from flotilla.usage.sinks import FileSink, RedisStreamSink
 
@@ -36,9 +34,6 @@ class FaultTolerance:
         if sink is None:
             log.warning("no Redis and no --usage-log: the usage ledger is off")
         return cls(settings, redis, UsageLedger(sink).start() if sink is not None else None)
-
-    def wrap(self, backend: RouterBackend) -> RouterBackend:
-        return MeteredBackend(backend, self.ledger) if self.ledger is not None else backend
 
     def install(self, app: FastAPI) -> None:
         """Outermost middlewares (added after create_app's own): resumable streams, then idempotency."""

@@ -1,18 +1,19 @@
 """What both API dialects share: checks before any engine work, the router call, its outcome.
 
-A request is fully checked (sampling, context window) before the router sees it. The router stream is
-an async generator of TokenChunk messages ending in one Outcome; closing it, or cancelling the task
-that reads it, cancels the gRPC call so the engine aborts the request.
+A request is fully checked (sampling, context window) before the router sees it. Its router stream is read in
+one loop (RouterEvents): each event, decoded once (rpc/convert.py), goes to every tap (the usage meter and
+telemetry here, quota settlement (admission.py), the usage ledger (usage_meter.py)), then out as a Chunk, and
+last the Finished event; an error ends it as a GatewayError. Closing it, or cancelling the task that reads it,
+cancels the router call so the engine aborts the request.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import grpc
 from starlette.requests import Request
@@ -20,34 +21,25 @@ from starlette.types import Receive
 
 from flotilla.api.common.v1 import common_pb2 as common
 from flotilla.engine.errors import ContextLengthError, InvalidRequestError
+from flotilla.engine.new_request import NewRequest
 from flotilla.engine.request import FinishReason
 from flotilla.engine.sampling_params import SamplingParams
 from flotilla.gateway.auth import Principal
 from flotilla.gateway.errors import ClientDisconnected, ErrorKind, GatewayError, error_from_grpc, error_from_router
 from flotilla.gateway.metrics import GatewayMetrics
 from flotilla.gateway.model_registry import ServedModel
-from flotilla.gateway.router_client import RouterBackend
 from flotilla.gateway.telemetry import GatewayRequestTelemetry
+from flotilla.gateway.usage_meter import UsageLedgerTap
 from flotilla.observability.latency import StreamTimer
+from flotilla.rpc.convert import new_request_to_proto
+from flotilla.rpc.stream_events import Chunk, Finished, StreamEvent, Usage
 
 if TYPE_CHECKING:
-    from flotilla.gateway.admission import RouteTicket
+    from flotilla.gateway.admission import Admitted, RouteTicket
+    from flotilla.gateway.context import GatewayContext
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_prompt_tokens: int
-
-
-@dataclass(frozen=True)
-class Outcome:
-    finish_reason: FinishReason  # STOP or LENGTH; an aborted generation is an error instead
-    stop_sequence: str | None
-    usage: Usage
+Events = AsyncIterator[Chunk | Finished]  # what a dialect reads: chunks, then the Finished event
 
 
 @dataclass
@@ -55,35 +47,39 @@ class Generation:
     """A whole (non-streamed) answer."""
 
     text: str
-    chunks: list[common.TokenChunk]
-    outcome: Outcome
+    chunks: list[Chunk]
+    finished: Finished
 
 
 @dataclass(frozen=True)
 class Job:
     """A checked request, ready for the router."""
 
-    request_id: str
+    request: NewRequest
     model: ServedModel
     principal: Principal
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
     started_at: float  # perf_counter at arrival, for TTFT
-    route: RouteTicket | None = None  # class, deadline, wait budget, fair-share weight (admission.py)
+    route: RouteTicket  # class, deadline, wait budget, fair-share weight (admission.py)
+
+    @classmethod
+    def create(cls, request_id: str, model: ServedModel, principal: Principal, prompt_token_ids: list[int],
+               sampling: SamplingParams, started_at: float, route: RouteTicket) -> Job:
+        request = NewRequest(request_id, tuple(prompt_token_ids), sampling, route.priority, principal.salt,
+                             principal.tenant, route.deadline_unix_s)
+        return cls(request, model, principal, started_at, route)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.request.num_prompt_tokens
 
     def to_proto(self, requested_model: str) -> common.GenerateRequest:
-        s = self.sampling
-        sampling = common.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                                         top_k=s.top_k, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
-                                         ignore_eos=s.ignore_eos, seed=s.seed, logprobs=s.logprobs)
-        request = common.GenerateRequest(request_id=self.request_id, model=requested_model,
-                                         prompt_token_ids=self.prompt_token_ids, sampling=sampling,
-                                         priority=common.PRIORITY_CLASS_INTERACTIVE,
-                                         cache_salt=self.principal.salt, tenant_id=self.principal.tenant,
-                                         key_id=self.principal.key_id)
-        if self.route is not None:
-            self.route.apply(request)
-        return request
+        return new_request_to_proto(self.request, requested_model, key_id=self.principal.key_id,
+                                    max_queue_wait_s=self.route.max_queue_wait_s,
+                                    tenant_weight=self.route.tenant_weight)
 
 
 def checked_sampling(**kwargs) -> SamplingParams:
@@ -113,28 +109,36 @@ def check_context_window(num_prompt_tokens: int, max_tokens: int, max_model_len:
         raise GatewayError(ErrorKind.INVALID_REQUEST, err.message, param=err.field, code="context_length_exceeded")
 
 
+class StreamTap(Protocol):
+    """One concern's view of a router stream: every decoded event in order, then its end, exactly once."""
+
+    def on_event(self, event: StreamEvent) -> None: ...
+
+    def on_end(self, error: GatewayError | None) -> None:
+        """`error`: what ended the stream (its __cause__ the gRPC error of a failed call); None when it
+        finished, or when it was closed (the client went away) before."""
+
+
 @dataclass
 class Metering:
     """Latencies (TTFT, TPOT, ITL, e2e) and token counts of one request, including failed and cancelled ones."""
 
     metrics: GatewayMetrics
     job: Job
-    num_output_tokens: int = 0
-    saw_first_token: bool = field(default=False)
     timer: StreamTimer = field(init=False)
 
     def __post_init__(self) -> None:
         self.timer = StreamTimer(self.metrics.latency, self.job.model.name, self.job.principal.tier,
                                  self.job.started_at)
+        self._tokens("prompt").inc(self.job.num_prompt_tokens)
 
-    def on_dispatch(self) -> None:
-        self._tokens("prompt").inc(len(self.job.prompt_token_ids))
+    def on_event(self, event: StreamEvent) -> None:
+        if type(event) is Chunk and (num_tokens := len(event.token_ids)):
+            self.timer.on_tokens(num_tokens)
+            self._completion_tokens.inc(num_tokens)
 
-    def on_chunk(self, chunk: common.TokenChunk) -> None:
-        self.saw_first_token = self.saw_first_token or bool(chunk.token_ids)
-        self.timer.on_tokens(len(chunk.token_ids))
-        self.num_output_tokens += len(chunk.token_ids)
-        self._completion_tokens.inc(len(chunk.token_ids))
+    def on_end(self, error: GatewayError | None) -> None:
+        self.timer.finish()
 
     @cached_property
     def _completion_tokens(self):
@@ -144,51 +148,109 @@ class Metering:
         return self.metrics.tokens.labels(self.job.model.name, self.job.principal.tier, kind)
 
 
-async def router_events(backend: RouterBackend, job: Job, requested_model: str,
-                        metrics: GatewayMetrics) -> AsyncIterator[common.TokenChunk | Outcome]:
-    metering = Metering(metrics, job)
-    metering.on_dispatch()
-    telemetry = GatewayRequestTelemetry(job.request_id, job.model.name, job.principal.tier, job.principal.tenant)
-    try:
-        async with aclosing(backend.generate(job.to_proto(requested_model), telemetry.outgoing_metadata())) as stream:
-            try:
-                async for response in stream:
-                    kind = response.WhichOneof("event")
-                    if kind == "chunk":
-                        metering.on_chunk(response.chunk)
-                        yield response.chunk
-                    elif kind == "finished":
-                        outcome = outcome_of(response.finished, len(job.prompt_token_ids), metering.num_output_tokens)
-                        telemetry.outcome = outcome.finish_reason.value
-                        yield outcome
-                        return
-                    elif kind == "error":
-                        raise error_from_router(response.error)
-            except grpc.RpcError as err:
-                raise error_from_grpc(err) from err
-        raise GatewayError(ErrorKind.INTERNAL, "the router closed the stream without a result")
-    except GatewayError as err:
-        telemetry.outcome = err.code or err.kind.name.lower()
-        raise
-    finally:
-        metering.timer.finish()
-        telemetry.finish(metering.timer, len(job.prompt_token_ids))
+def router_events(ctx: GatewayContext, job: Job, requested_model: str, admitted: Admitted) -> RouterEvents:
+    return RouterEvents(ctx, job, requested_model, admitted.settlement())
 
 
-def outcome_of(finished: common.Finished, num_prompt_tokens: int, num_output_tokens: int) -> Outcome:
-    if finished.reason == common.FINISH_REASON_ABORT:
-        raise GatewayError(ErrorKind.UNAVAILABLE, "the generation was aborted by the fleet; retry", code="aborted")
-    reason = FinishReason.LENGTH if finished.reason == common.FINISH_REASON_LENGTH else FinishReason.STOP
-    usage = Usage(prompt_tokens=finished.usage.prompt_tokens or num_prompt_tokens,
-                  completion_tokens=finished.usage.completion_tokens or num_output_tokens,
-                  cached_prompt_tokens=finished.usage.cached_prompt_tokens)
-    return Outcome(reason, finished.stop_sequence or None, usage)
+class RouterEvents:
+    """The one loop over a request's router stream (see the module's docstring). The router call and every tap
+    but quota settlement start with the first read; the stream ends with an error, with the read after the
+    Finished event, or when it is closed (read or not): then every tap ends, exactly once, and an unfinished
+    call is cancelled."""
+
+    def __init__(self, ctx: GatewayContext, job: Job, requested_model: str, settlement: StreamTap | None):
+        self._ctx = ctx
+        self._job = job
+        self._requested_model = requested_model
+        self._taps: list[StreamTap] = [settlement] if settlement is not None else []
+        self._on_event: tuple[Callable[[StreamEvent], None], ...] = ()
+        self._call: AsyncIterator[StreamEvent] | None = None  # the router call, once started
+        self._reading: AsyncIterator[StreamEvent] | None = None  # the call, until its last event was read
+        self._metering: Metering | None = None
+        self._ended = False
+
+    def __aiter__(self) -> RouterEvents:
+        return self
+
+    async def __anext__(self) -> Chunk | Finished:
+        stream = self._reading
+        if stream is None:
+            if self._call is not None or self._ended:
+                await self.aclose()
+                raise StopAsyncIteration
+            stream = self._start()
+        try:
+            event = await stream.__anext__()
+        except StopAsyncIteration:
+            raise await self._fail(GatewayError(ErrorKind.INTERNAL, "the router closed the stream without a result"))
+        except grpc.RpcError as err:
+            raise await self._fail(error_from_grpc(err), cause=err) from err
+        except BaseException:  # cancelled: the client went away
+            await self.aclose()
+            raise
+        for on_event in self._on_event:
+            on_event(event)
+        if type(event) is Chunk:
+            return event
+        if type(event) is Finished:
+            if event.reason is FinishReason.ABORT:
+                raise await self._fail(GatewayError(ErrorKind.UNAVAILABLE,
+                                                    "the generation was aborted by the fleet; retry", code="aborted"))
+            self._reading = None
+            return self._with_usage(event)
+        raise await self._fail(error_from_router(event))
+
+    async def aclose(self) -> None:
+        await self._end(None)
+
+    def _start(self) -> AsyncIterator[StreamEvent]:
+        ctx, job = self._ctx, self._job
+        metering = self._metering = Metering(ctx.metrics, job)
+        principal = job.principal
+        telemetry = GatewayRequestTelemetry(job.request_id, job.model.name, principal.tier, principal.tenant,
+                                            metering.timer, job.num_prompt_tokens)
+        self._taps = [metering, telemetry, *self._taps]  # the meter's timer ends before telemetry reads it
+        if ctx.ledger is not None:
+            self._taps.append(UsageLedgerTap(ctx.ledger, job.request, requested_model=self._requested_model,
+                                             key_id=principal.key_id))
+        self._on_event = tuple(tap.on_event for tap in self._taps)
+        call = ctx.backend.generate(job.to_proto(self._requested_model), telemetry.outgoing_metadata())
+        self._call = self._reading = call
+        return call
+
+    async def _fail(self, error: GatewayError, cause: BaseException | None = None) -> GatewayError:
+        error.__cause__ = cause  # before the taps see it (raise ... from sets it only later)
+        await self._end(error)
+        return error
+
+    async def _end(self, error: GatewayError | None) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        call, self._reading = self._call, None
+        try:
+            if call is not None:
+                await call.aclose()  # cancels an unfinished call: the engine aborts the request
+        finally:
+            for tap in self._taps:
+                tap.on_end(error)
+
+    def _with_usage(self, finished: Finished) -> Finished:
+        """The router counts the caller's prompt and every token it relayed; a router that did not is
+        counted here."""
+        usage = finished.usage
+        if usage.prompt_tokens and usage.completion_tokens:
+            return finished
+        num_output_tokens = self._metering.timer.num_output_tokens  # started: the first read made it
+        return replace(finished, usage=Usage(usage.prompt_tokens or self._job.num_prompt_tokens,
+                                             usage.completion_tokens or num_output_tokens,
+                                             usage.cached_prompt_tokens))
 
 
-async def collect(events: AsyncIterator[common.TokenChunk | Outcome]) -> Generation:
-    chunks: list[common.TokenChunk] = []
+async def collect(events: Events) -> Generation:
+    chunks: list[Chunk] = []
     async for event in events:
-        if isinstance(event, Outcome):
+        if type(event) is Finished:
             return Generation("".join(c.text for c in chunks), chunks, event)
         chunks.append(event)
     raise GatewayError(ErrorKind.INTERNAL, "the router closed the stream without a result")

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from flotilla.api.common.v1 import common_pb2 as common
 from flotilla.engine.request import FinishReason
 from flotilla.gateway import openai_logprobs
 from flotilla.gateway.admission import admit
@@ -19,16 +18,17 @@ from flotilla.gateway.body import parse_body, read_body
 from flotilla.gateway.context import GatewayContext, arrival_time, dialect_endpoint, gateway_context, request_id
 from flotilla.gateway.dialects import Dialect, error_body
 from flotilla.gateway.errors import ErrorKind, GatewayError
-from flotilla.gateway.generation import (Job, Outcome, Usage, check_context_window, checked_sampling, collect,
-                                         router_events, tokenize, until_disconnected)
+from flotilla.gateway.generation import (Job, check_context_window, checked_sampling, collect, router_events,
+                                         tokenize, until_disconnected)
 from flotilla.gateway.model_registry import ServedModel, TokenizerLike
 from flotilla.gateway.openai_schema import ChatCompletionRequest, CommonParams, CompletionRequest
 from flotilla.gateway.sse import Events, SSEResponse, first_event, sse_data, sse_json
+from flotilla.rpc.stream_events import Chunk, Finished, Usage
 
 # (text, finish_reason, logprobs) -> one choice
 ChoiceFn = Callable[[str, str | None, dict | None], dict]
 # (tokenizer, chunks, text offset of the first chunk) -> logprobs object
-LogprobsFn = Callable[[TokenizerLike, list[common.TokenChunk], int], dict]
+LogprobsFn = Callable[[TokenizerLike, list[Chunk], int], dict]
 
 
 @dataclass(frozen=True)
@@ -130,9 +130,9 @@ async def _generate(request: Request, ctx: GatewayContext, plan: Plan) -> Respon
     check_context_window(len(plan.prompt_ids), sampling.max_tokens, plan.model.max_model_len)
     admitted = await admit(request, ctx.gatekeeper, ctx.settings.admission, Dialect.OPENAI, plan.principal,
                            request_id(request), len(plan.prompt_ids), sampling.max_tokens)
-    job = Job(request_id(request), plan.model, plan.principal, plan.prompt_ids, sampling, arrival_time(request),
-              admitted.ticket)
-    events = admitted.watch(router_events(ctx.backend, job, plan.requested_model, ctx.metrics))
+    job = Job.create(request_id(request), plan.model, plan.principal, plan.prompt_ids, sampling,
+                     arrival_time(request), admitted.ticket)
+    events = router_events(ctx, job, plan.requested_model, admitted)
     head = _Head(plan.endpoint.id_prefix + job.request_id.removeprefix("req_"), int(time.time()), plan.model.name)
     if params.stream:
         first = await first_event(request, events)
@@ -141,8 +141,8 @@ async def _generate(request: Request, ctx: GatewayContext, plan: Plan) -> Respon
         generation = await until_disconnected(request, collect(events))
     logprobs = (plan.endpoint.logprobs(plan.model.tokenizer, generation.chunks, 0)
                 if plan.num_logprobs is not None else None)
-    choice = plan.endpoint.choice(generation.text, finish_reason(generation.outcome), logprobs)
-    return JSONResponse(head.body(plan.endpoint.object_name, [choice], usage_body(generation.outcome.usage)))
+    choice = plan.endpoint.choice(generation.text, finish_reason(generation.finished), logprobs)
+    return JSONResponse(head.body(plan.endpoint.object_name, [choice], usage_body(generation.finished.usage)))
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,7 @@ class _Head:
         return body
 
 
-async def _chunks(plan: Plan, head: _Head, first: common.TokenChunk | Outcome, events: Events,
+async def _chunks(plan: Plan, head: _Head, first: Chunk | Finished, events: Events,
                   ctx: GatewayContext) -> AsyncIterator[bytes]:
     endpoint, include_usage = plan.endpoint, plan.params.include_usage
 
@@ -172,7 +172,7 @@ async def _chunks(plan: Plan, head: _Head, first: common.TokenChunk | Outcome, e
         if endpoint.opening_choice is not None:
             yield chunk(endpoint.opening_choice)
         event, text_offset = first, 0
-        while not isinstance(event, Outcome):
+        while type(event) is Chunk:
             if event.text or event.token_ids:
                 logprobs = (endpoint.logprobs(plan.model.tokenizer, [event], text_offset)
                             if plan.num_logprobs is not None else None)
@@ -190,8 +190,8 @@ async def _chunks(plan: Plan, head: _Head, first: common.TokenChunk | Outcome, e
         await events.aclose()
 
 
-def finish_reason(outcome: Outcome) -> str:
-    return "length" if outcome.finish_reason is FinishReason.LENGTH else "stop"
+def finish_reason(finished: Finished) -> str:
+    return "length" if finished.reason is FinishReason.LENGTH else "stop"
 
 
 def usage_body(usage: Usage) -> dict:

@@ -1,4 +1,5 @@
-"""The gateway's only way out: the router's Generate streams (on one session) and its model list, over grpc.aio."""
+"""The gateway's only way out: the router's Generate streams (on one session) and its model list, over grpc.aio.
+A stream's messages are decoded here, once each, into StreamEvents (rpc/convert.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from typing import Protocol
 
 from flotilla.api.common.v1 import common_pb2 as common
 from flotilla.api.router.v1 import router_pb2, router_pb2_grpc
+from flotilla.rpc.convert import stream_event
 from flotilla.rpc.options import aio_channel
 from flotilla.rpc.session_client import SessionClient, SessionStream
+from flotilla.rpc.stream_events import StreamEvent
 
 
 class RouterBackend(Protocol):
@@ -16,16 +19,17 @@ class RouterBackend(Protocol):
 
     def generate(
         self, request: common.GenerateRequest, metadata: Sequence[tuple[str, str]] = ()
-    ) -> AsyncIterator[common.GenerateResponse]: ...
+    ) -> AsyncIterator[StreamEvent]:
+        """The request's events; the iterator's `aclose()` cancels an unfinished call."""
 
     async def list_models(self) -> list[common.ModelInfo]: ...
 
 
 class RouterStream:
-    """One request's events from the router. Token chunks that have already arrived together leave as one:
-    a gateway that falls behind sends a client several tokens per SSE event instead of working through a
-    backlog one token at a time. `aclose()` (reached through aclosing() on completion, errors and
-    cancellation alike) cancels an unfinished call, which aborts the request in the engine."""
+    """One request's events from the router, each decoded once. Token chunks that have already arrived together
+    leave as one: a gateway that falls behind sends a client several tokens per SSE event instead of working
+    through a backlog one token at a time. `aclose()` (on completion, errors and cancellation alike) cancels an
+    unfinished call, which aborts the request in the engine."""
 
     __slots__ = ("_call", "_held")
 
@@ -36,17 +40,18 @@ class RouterStream:
     def __aiter__(self) -> RouterStream:
         return self
 
-    async def __anext__(self) -> common.GenerateResponse:
+    async def __anext__(self) -> StreamEvent:
         response, self._held = self._held, None
         if response is None:
-            response = await anext(self._call)
-        if response.HasField("chunk"):
-            while (following := self._call.next_ready()) is not None:
-                if not following.HasField("chunk"):
-                    self._held = following
-                    break
-                merge_chunk(response.chunk, following.chunk)
-        return response
+            response = await self._call.__anext__()
+        following = self._call.next_ready()
+        if following is not None:  # several arrived together: consecutive chunks leave as one
+            if response.HasField("chunk"):
+                while following is not None and following.HasField("chunk"):
+                    merge_chunk(response.chunk, following.chunk)
+                    following = self._call.next_ready()
+            self._held = following
+        return stream_event(response)
 
     async def aclose(self) -> None:
         self._call.cancel()
@@ -70,9 +75,7 @@ class RouterClient:
         # in one message instead of one message per request.
         self._session = SessionClient(self._stub.GenerateSession)
 
-    def generate(
-        self, request: common.GenerateRequest, metadata: Sequence[tuple[str, str]] = ()
-    ) -> RouterStream:
+    def generate(self, request: common.GenerateRequest, metadata: Sequence[tuple[str, str]] = ()) -> RouterStream:
         """`metadata`: gRPC metadata for the call (trace context, tier)."""
         return RouterStream(self._session.generate(request, metadata))
 

@@ -40,7 +40,7 @@ async def serve(settings: GatewaySettings, sockets: list[socket.socket] | None =
     backend = RouterClient(settings.router_address, settings.router_timeout_s)
     tolerance = FaultTolerance.open(settings)  # usage ledger, idempotency, resumable streams
     try:
-        app = create_app(settings, tolerance.wrap(backend), None, gatekeeper=gatekeeper)
+        app = create_app(settings, backend, None, gatekeeper=gatekeeper, ledger=tolerance.ledger)
         tolerance.install(app)
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                                 timeout_graceful_shutdown=5, lifespan="on")

@@ -10,17 +10,15 @@ ends the stream when the client disconnects, and a pinger keeps idle connections
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from flotilla.api.common.v1 import common_pb2 as common
-from flotilla.gateway.generation import Outcome, next_event, until_disconnected, wait_for_disconnect
-
-Events = AsyncIterator[common.TokenChunk | Outcome]
+from flotilla.gateway.generation import Events, next_event, until_disconnected, wait_for_disconnect
+from flotilla.rpc.stream_events import Chunk, Finished
 PING_INTERVAL_S = 15.0
 COMMENT_PING = b": ping\n\n"  # ignored by every SSE client; the Anthropic dialect sends its own ping event
 
@@ -37,7 +35,7 @@ def sse_data(text: str) -> bytes:
     return b"data: " + text.encode() + b"\n\n"
 
 
-async def first_event(request: Request, events: Events) -> common.TokenChunk | Outcome:
+async def first_event(request: Request, events: Events) -> Chunk | Finished:
     try:
         return await until_disconnected(request, next_event(events))
     except BaseException:

@@ -12,10 +12,13 @@ from opentelemetry import propagate, trace
 from starlette.datastructures import Headers
 from starlette.types import Scope
 
+from flotilla.engine.request import FinishReason
+from flotilla.gateway.errors import GatewayError
 from flotilla.observability.latency import StreamTimer
 from flotilla.observability.propagation import Metadata, outgoing_metadata
 from flotilla.observability.request_log import log_request
 from flotilla.observability.tracing import trace_id_hex, tracer
+from flotilla.rpc.stream_events import Finished, StreamEvent
 
 
 TRACED_PATH_PREFIX = "/v1/"  # API routes only: health checks and Prometheus scrapes make no traces
@@ -42,13 +45,17 @@ def http_request_span(scope: Scope, request_id: str) -> Iterator[trace.Span | No
 
 class GatewayRequestTelemetry:
     """Construct when the request goes to the router (under the request's span); set `outcome`; finish(timer)
-    once at the end."""
+    once at the end. As a tap on the router stream (generation.RouterEvents), with the request's timer: the
+    outcome comes from the events and the end, and the end finishes it."""
 
-    def __init__(self, request_id: str, model: str, tier: str, tenant: str):
+    def __init__(self, request_id: str, model: str, tier: str, tenant: str, timer: StreamTimer | None = None,
+                 num_prompt_tokens: int = 0):
         self._request_id = request_id
         self._model = model
         self._tier = tier
         self._tenant = tenant
+        self._timer = timer
+        self._num_prompt_tokens = num_prompt_tokens
         self.outcome = "cancelled"  # until the stream ends or fails
         self.span = tracer().start_span("gateway.generate", kind=trace.SpanKind.CLIENT,
                                         attributes={"flotilla.request_id": request_id, "flotilla.model": model,
@@ -56,6 +63,16 @@ class GatewayRequestTelemetry:
 
     def outgoing_metadata(self) -> Metadata:
         return outgoing_metadata(trace.set_span_in_context(self.span), self._tier)
+
+    def on_event(self, event: StreamEvent) -> None:
+        if type(event) is Finished and event.reason is not FinishReason.ABORT:  # an abort ends as an error
+            self.outcome = event.reason.value
+
+    def on_end(self, error: GatewayError | None) -> None:
+        if error is not None:
+            self.outcome = error.code or error.kind.name.lower()
+        if self._timer is not None:
+            self.finish(self._timer, self._num_prompt_tokens)
 
     def finish(self, timer: StreamTimer, num_prompt_tokens: int) -> None:
         self.span.set_attribute("flotilla.outcome", self.outcome)

@@ -23,6 +23,7 @@ import grpc
 
 from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.rpc.convert import error_response
+from flotilla.rpc.stream_events import Chunk, Error, Finished
 
 DEFAULT_MAX_ATTEMPTS = 3
 RETRY_AFTER_S = 1.0
@@ -87,21 +88,20 @@ class StreamProgress:
             attempt.sampling.max_tokens = self.request.sampling.max_tokens - self.num_delivered
         return attempt
 
-    def on_response(self, response: pb.GenerateResponse, worker_id: str) -> pb.GenerateResponse:
-        """The event to relay; raises WorkerLost for an error the worker, not the request, is at fault for."""
-        kind = response.WhichOneof("event")
-        if kind == "error" and response.error.code in LOST_ERROR_CODES:
-            raise WorkerLost(worker_id, f"{pb.ErrorCode.Name(response.error.code)}: {response.error.message}",
-                             unreachable=False)
-        if kind == "chunk":
-            self.delivered_token_ids.extend(response.chunk.token_ids)
-        elif kind == "finished":
+    def on_chunk(self, chunk: Chunk) -> None:
+        self.delivered_token_ids.extend(chunk.token_ids)
+
+    def on_result(self, event: Finished | Error, response: pb.GenerateResponse, worker_id: str) -> None:
+        """A worker's last event (decoded: `event`, its message: `response`), made the caller's: its usage and
+        stamps set on `response`, which is relayed as it is. Raises WorkerLost for an error the worker, not the
+        request, is at fault for."""
+        if type(event) is Error:
+            if event.code in LOST_ERROR_CODES:
+                raise WorkerLost(worker_id, f"{pb.ErrorCode.Name(event.code)}: {event.message}", unreachable=False)
+        else:
             self._fix_usage(response.finished.usage)
-            self._stamp(response)
-        elif kind == "error":
-            self._stamp(response)
-        self.has_result = self.has_result or kind in ("finished", "error")
-        return response
+        self._stamp(response)
+        self.has_result = True
 
     def on_call_error(self, exc: grpc.aio.AioRpcError, worker_id: str) -> None:
         """Raises WorkerLost when the call failed because the worker went away; returns otherwise."""

@@ -10,8 +10,9 @@ import grpc
 from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.router.v1 import router_pb2_grpc
-from flotilla.rpc.convert import error_response
+from flotilla.rpc.convert import error_response, stream_event
 from flotilla.rpc.session_server import serve_session
+from flotilla.rpc.stream_events import Chunk, StreamEvent
 from flotilla.router.admission import Admission, Placement, RouterError, Ticket
 from flotilla.router.disagg_planner import DisaggPlanner
 from flotilla.router.failover import DEFAULT_MAX_ATTEMPTS, StreamProgress, WorkerLost
@@ -155,13 +156,17 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         call = worker.session.generate(forwarded, metadata=telemetry.outgoing_metadata(),
                                        timeout=_timeout(request.deadline_unix_s))  # fmt: skip
 
-        def account(response: pb.GenerateResponse) -> pb.GenerateResponse:
-            """Progress, outcome and token counts of one relayed event; raises WorkerLost."""
+        def account(response: pb.GenerateResponse, event: StreamEvent) -> pb.GenerateResponse:
+            """Progress, outcome and token counts of one relayed message, from its event (decoded once); raises
+            WorkerLost. The message itself is relayed."""
             nonlocal arrived_s
-            response = progress.on_response(response, worker.worker_id)
-            telemetry.on_response(response)
-            if response.chunk.token_ids:
-                arrived_s = self._record_tokens(placement, len(response.chunk.token_ids), arrived_s)
+            if type(event) is Chunk:
+                progress.on_chunk(event)
+                if event.token_ids:
+                    arrived_s = self._record_tokens(placement, len(event.token_ids), arrived_s)
+            else:
+                progress.on_result(event, response, worker.worker_id)
+                telemetry.on_result(event)
             return response
 
         deliver_directly = getattr(call, "deliver_directly", None)  # a worker session's stream
@@ -170,21 +175,22 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
 
             def relay_chunk(response: pb.GenerateResponse) -> bool:
                 """Token chunks (never WorkerLost) are relayed as they arrive, without waking this task."""
-                if not response.HasField("chunk"):
-                    return False
-                write_nowait(account(response))
+                event = stream_event(response)
+                if type(event) is not Chunk:
+                    return False  # the last event goes through the relay task
+                write_nowait(account(response, event))
                 return True
 
             deliver_directly(relay_chunk)
         try:
             async for response in call:
-                await context.write(account(response))
+                await context.write(account(response, stream_event(response)))
             if not progress.has_result:
                 raise progress.ended_without_result(worker.worker_id)
         except grpc.aio.AioRpcError as exc:
             progress.on_call_error(exc, worker.worker_id)  # raises WorkerLost
             error = progress.stamp(self._worker_error(worker.worker_id, exc))
-            telemetry.on_response(error)
+            telemetry.on_result(stream_event(error))
             await context.write(error)
         finally:
             if deliver_directly is not None:

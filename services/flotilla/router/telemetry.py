@@ -14,11 +14,12 @@ from flotilla.observability.request_log import log_request
 from flotilla.router.metrics import RouterMetrics, error_reason_label, priority_class_label
 from flotilla.observability.tracing import trace_id_hex, tracer
 from flotilla.router.admission import Placement
+from flotilla.rpc.stream_events import Error, Finished
 
 
 class RouterRequestTelemetry:
-    """One Generate call: construct on arrival, then placed() or failed(), on_response() per relayed
-    message, and finish() once at the end (a finally block)."""
+    """One Generate call: construct on arrival, then placed() or failed(), on_result() with the relayed last
+    event (or failed() for a call that failed), and finish() once at the end (a finally block)."""
 
     def __init__(self, metrics: RouterMetrics, request: pb.GenerateRequest, model: str,
                  metadata: Iterable[tuple[str, str | bytes]] | None):
@@ -60,12 +61,8 @@ class RouterRequestTelemetry:
         """Trace context (this router's span as parent) and tier for the worker call."""
         return outgoing_metadata(trace.set_span_in_context(self.span), self.tier)
 
-    def on_response(self, response: pb.GenerateResponse) -> None:
-        kind = response.WhichOneof("event")
-        if kind == "finished":
-            self.outcome = "ok"
-        elif kind == "error":
-            self.outcome = error_reason_label(response.error.code)
+    def on_result(self, event: Finished | Error) -> None:
+        self.outcome = "ok" if type(event) is Finished else error_reason_label(event.code)
 
     def finish(self) -> None:
         self._end_queue_wait()

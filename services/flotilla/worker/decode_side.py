@@ -29,7 +29,7 @@ from flotilla.engine.async_engine import EngineDeadError, Prefilled, RequestStre
 from flotilla.engine.remote_prefill import KVReservation, release, try_reserve
 from flotilla.engine.scheduler_output import TokenLogprobs
 from flotilla.observability.kv_transfer import KVTransferMetrics
-from flotilla.rpc.convert import priority_from_proto, sampling_params_from_proto
+from flotilla.rpc.convert import new_request_from_proto
 from flotilla.worker.kv_handoff import KVHandoff
 
 if TYPE_CHECKING:
@@ -59,14 +59,9 @@ class DecodeSide:
         if not prefill_address:
             return None
         handoff = self._handoff
-        params = sampling_params_from_proto(gen.sampling)
+        new = new_request_from_proto(gen)  # a resumed stream's too
         min_tokens = handoff.settings.min_remote_prefill_tokens
-        prompt, priority = list(gen.prompt_token_ids), priority_from_proto(gen.priority)
-        num_previous = gen.num_previous_output_tokens  # a resumed stream's too
-        reservation: KVReservation | None = await handoff.engine.call(
-            lambda llm: try_reserve(llm, gen.request_id, prompt, params, priority, gen.cache_salt, min_tokens,
-                                    num_previous)  # fmt: skip
-        )
+        reservation: KVReservation | None = await handoff.engine.call(lambda llm: try_reserve(llm, new, min_tokens))
         if reservation is None:
             return None
         transfer_id = f"{gen.request_id}.{uuid.uuid4().hex[:8]}"

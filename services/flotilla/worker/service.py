@@ -20,8 +20,7 @@ from flotilla.rpc.convert import (
     finished_response,
     invalid_request_response,
     load_report,
-    priority_from_proto,
-    sampling_params_from_proto,
+    new_request_from_proto,
 )
 from flotilla.rpc.session_server import serve_session
 from flotilla.worker.telemetry import RequestTelemetry, WorkerMetrics
@@ -114,14 +113,7 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
             stream = await self.decode_side.open_stream(request, request.prefill_worker_address, telemetry)
             if stream is not None:
                 return stream
-        return await self._engine.generate(
-            request.request_id,
-            list(request.prompt_token_ids),
-            sampling_params_from_proto(request.sampling),
-            priority_from_proto(request.priority),
-            request.cache_salt,
-            num_previous_output_tokens=request.num_previous_output_tokens,  # a resumed stream
-        )
+        return await self._engine.generate(new_request_from_proto(request))  # a resumed stream's too
 
     def telemetry(self, request_id: str, context: grpc.aio.ServicerContext) -> RequestTelemetry:
         return RequestTelemetry(self.metrics, self.model.name, self.worker_id, request_id,

@@ -13,9 +13,10 @@ from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.router.v1 import router_pb2_grpc
 from flotilla.api.worker.v1 import worker_pb2 as wpb
 from flotilla.api.worker.v1 import worker_pb2_grpc
+from flotilla.engine.new_request import NewRequest
 from flotilla.engine.sampling_params import SamplingParams
 from flotilla.fleet.local import START_TIMEOUT_S
-from flotilla.rpc.convert import generate_request
+from flotilla.rpc.convert import new_request_to_proto
 
 from flotilla.fleet.process import ServiceProcess
 
@@ -25,6 +26,11 @@ from tests.support.waiting import wait_until
 
 MODEL = "tiny-test"
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def generate_request(request_id: str, model: str, prompt: list[int], params: SamplingParams,
+                     deadline_unix_s: float = 0.0) -> pb.GenerateRequest:
+    return new_request_to_proto(NewRequest(request_id, tuple(prompt), params, deadline_unix_s=deadline_unix_s), model)
 
 
 @pytest.fixture(scope="module")
