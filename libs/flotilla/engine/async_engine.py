@@ -25,8 +25,7 @@ from flotilla.engine.errors import InvalidRequestError
 from flotilla.engine.inbox import Inbox
 from flotilla.engine.new_request import NewRequest
 from flotilla.engine.outputs import EngineStats, RequestOutput
-from flotilla.engine.request import FinishReason, Priority
-from flotilla.engine.sampling_params import SamplingParams
+from flotilla.engine.request import FinishReason
 from flotilla.engine.stream_pacer import StreamPacer
 
 logger = logging.getLogger(__name__)
@@ -145,12 +144,8 @@ class AsyncEngine:
         return self.snapshot().active_request_ids
 
     # ---- requests (loop side) ----------------------------------------------------------------------
-    async def generate(self, new: NewRequest, *legacy_args: Any, **legacy_kwargs: Any) -> RequestStream:
-        """Add a request; raises InvalidRequestError here if the engine refuses it, else returns its stream.
-        `legacy_args`: the parameter list that NewRequest replaced, for worker/prefill_side.py only, until
-        it passes a NewRequest (see _legacy_request)."""
-        if not isinstance(new, NewRequest):
-            new = _legacy_request(new, *legacy_args, **legacy_kwargs)
+    async def generate(self, new: NewRequest) -> RequestStream:
+        """Add a request; raises InvalidRequestError here if the engine refuses it, else returns its stream."""
         self._check_running()
         request_id = new.request_id
         if not request_id:
@@ -498,14 +493,3 @@ def _deliver(deliveries: list[tuple[RequestStream, RequestOutput]]) -> None:
 def _push_all(streams: list[RequestStream], item: Any) -> None:
     for stream in streams:
         stream._push(item)
-
-
-def _legacy_request(request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
-                    priority: Priority = Priority.INTERACTIVE, cache_salt: str = "",
-                    num_previous_output_tokens: int = 0) -> NewRequest:
-    """The parameter list generate() took before NewRequest; worker/prefill_side.py (owned by the
-    disaggregation work) still passes it. Delete once it passes new_request_from_proto's NewRequest."""
-    prompt = tuple(prompt_token_ids)
-    num_prompt = len(prompt) - num_previous_output_tokens
-    return NewRequest(request_id, prompt[:num_prompt], sampling_params, priority, cache_salt,
-                      delivered_token_ids=prompt[num_prompt:])

@@ -22,7 +22,7 @@ from flotilla.engine.errors import InvalidRequestError
 from flotilla.engine.outputs import RequestOutput
 from flotilla.engine.remote_prefill import RemoteTarget
 from flotilla.observability.kv_transfer import KVTransferMetrics
-from flotilla.rpc.convert import logprobs_to_proto, priority_from_proto, sampling_params_from_proto
+from flotilla.rpc.convert import logprobs_to_proto, new_request_from_proto
 from flotilla.worker.kv_handoff import KVHandoff
 
 logger = logging.getLogger(__name__)
@@ -74,11 +74,10 @@ class PrefillSide:
         return response
 
     async def _run_prefill(self, transfer_id: str, gen: pb.GenerateRequest) -> RequestOutput | None:
-        params = dataclasses.replace(sampling_params_from_proto(gen.sampling), max_tokens=1)
+        new = new_request_from_proto(gen)  # a resumed stream keeps its delivered tokens: its seed index
+        params = dataclasses.replace(new.sampling_params, max_tokens=1)
         stream = await self._handoff.engine.generate(
-            transfer_id, list(gen.prompt_token_ids), params, priority_from_proto(gen.priority), gen.cache_salt,
-            num_previous_output_tokens=gen.num_previous_output_tokens,  # a resumed stream: its seed index
-        )  # fmt: skip
+            dataclasses.replace(new, request_id=transfer_id, sampling_params=params))
         first = None
         try:
             async for output in stream:  # a cancelled call (decode worker gone) aborts it via close()
