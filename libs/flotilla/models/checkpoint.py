@@ -11,13 +11,13 @@ repeats one token whatever the context, and a greedy-exactness test would then p
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flotilla.models.atomic_files import write_json, write_text
 from flotilla.models.toy_tokenizer import ENDOFTEXT, IM_END, IM_START, SPECIAL_TOKENS, toy_tokenizer_json
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
@@ -103,10 +103,10 @@ def write_checkpoint(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer_json = toy_tokenizer_json(spec.shape.vocab_size)
-    _write_text(out / "tokenizer.json", tokenizer_json)
-    _write_json(out / "tokenizer_config.json", tokenizer_config(spec))
-    _write_json(out / "config.json", model_config(spec))
-    _write_json(out / "generation_config.json", generation_config())
+    write_text(out / "tokenizer.json", tokenizer_json)
+    write_json(out / "tokenizer_config.json", tokenizer_config(spec))
+    write_json(out / "config.json", model_config(spec))
+    write_json(out / "generation_config.json", generation_config())
     _write_weights(out / "model.safetensors", spec)
     return out
 
@@ -263,14 +263,4 @@ def _write_weights(path: Path, spec: CheckpointSpec) -> None:
     save_file(random_weights(spec), str(tmp), metadata={"format": "pt"})
     # save_file creates the file private (0600); give it the same mode as the JSON files next to it.
     os.chmod(tmp, (path.parent / "config.json").stat().st_mode & 0o777)
-    os.replace(tmp, path)
-
-
-def _write_json(path: Path, value: Mapping[str, Any]) -> None:
-    _write_text(path, json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8", newline="")
     os.replace(tmp, path)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
+from flotilla.models.atomic_files import write_json, write_text
 from flotilla.models.gguf_tokenizer import GGUFError, build_tokenizer
 
 CONVERTER_VERSION = 1  # bump when the files written for the same GGUF change
@@ -66,12 +66,12 @@ def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[s
     weights = read_weights(reader, config, architecture)
     out.mkdir(parents=True, exist_ok=True)
     (out / CONVERSION_FILE).unlink(missing_ok=True)
-    _write_text(out / "tokenizer.json", tokenizer.to_str())
-    _write_json(out / "tokenizer_config.json", tokenizer_config(metadata, config))
-    _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", generation_config(metadata))
+    write_text(out / "tokenizer.json", tokenizer.to_str())
+    write_json(out / "tokenizer_config.json", tokenizer_config(metadata, config))
+    write_json(out / "config.json", config)
+    write_json(out / "generation_config.json", generation_config(metadata))
     _write_weights(out / "model.safetensors", weights)
-    _write_json(out / CONVERSION_FILE, dict(record) if record is not None else source_record(gguf_path))
+    write_json(out / CONVERSION_FILE, dict(record) if record is not None else source_record(gguf_path))
     return out
 
 
@@ -282,14 +282,4 @@ def _write_weights(path: Path, weights: Mapping[str, np.ndarray]) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     save_file(dict(weights), str(tmp), metadata={"format": "pt"})
     os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-
-
-def _write_json(path: Path, value: Mapping[str, Any]) -> None:
-    _write_text(path, json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8", newline="")
     os.replace(tmp, path)
