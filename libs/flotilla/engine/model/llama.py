@@ -43,6 +43,9 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.rotary = [rotary]  # a list so the shared module is not registered once per layer
+        # A plain flag: hasattr on a module raises and catches AttributeError inside nn.Module.__getattr__,
+        # once per layer per step on every model without the norms.
+        self.qk_norm = config.qk_norm
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -54,7 +57,7 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
+        if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary[0](positions, q, k, meta.seq_ends)
         out = paged_attention(q, k, v, kv_cache, meta)
