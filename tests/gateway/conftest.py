@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import pytest
 
-from flotilla.gateway.model_registry import load_engine_tokenizer
 
 from .in_process_gateway import InProcessGateway
 
@@ -17,7 +16,9 @@ def checkpoint_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tokenizer(checkpoint_dir):
-    return load_engine_tokenizer(str(checkpoint_dir))
+    from flotilla.engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(checkpoint_dir)
 
 
 @pytest.fixture(scope="session")

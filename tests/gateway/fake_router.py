@@ -14,8 +14,12 @@ import asyncio
 import threading
 from collections.abc import Callable
 
+import grpc
+
 from flotilla.api.common.v1 import common_pb2 as common
 from flotilla.api.router.v1 import router_pb2, router_pb2_grpc
+from flotilla.engine.tokenizer_files import files_digest, read_tokenizer_files
+from flotilla.rpc.model_assets import asset_chunks
 from flotilla.rpc.session_server import serve_session
 
 NUM_NATURAL_TOKENS = 6
@@ -36,8 +40,12 @@ def canned_text(num_tokens: int) -> str:
 
 class FakeRouter(router_pb2_grpc.RouterServiceServicer):
     def __init__(self, checkpoint_path: str):
+        # The tokenizer files a worker of this checkpoint would publish: what the gateway tokenizes with.
+        self.tokenizer_files = read_tokenizer_files(checkpoint_path)
+        self.assets_digest = files_digest(self.tokenizer_files)
+        self.num_asset_fetches = 0
         self.models = [common.ModelInfo(name=name, version="v1", max_model_len=MAX_MODEL_LEN,
-                                        checkpoint_path=checkpoint_path,
+                                        assets_digest=self.assets_digest,
                                         aliases=["tiny-latest"] if name == "tiny" else [])
                        for name in MODEL_NAMES]
         self.requests: list[common.GenerateRequest] = []
@@ -57,6 +65,13 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
 
     async def ListModels(self, request, context):
         return router_pb2.ListModelsResponse(models=self.models)
+
+    async def GetModelAssets(self, request, context):
+        if request.digest != self.assets_digest:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "unknown digest")
+        self.num_asset_fetches += 1
+        for chunk in asset_chunks(request.digest, self.tokenizer_files, chunk_bytes=64 * 1024):
+            yield chunk
 
     async def GenerateSession(self, actions, context):
         """What the gateway calls: the canned Generate streams, multiplexed like the real router's."""

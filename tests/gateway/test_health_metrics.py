@@ -9,6 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flotilla.api.common.v1 import common_pb2 as common
+from flotilla.engine.tokenizer_files import files_digest, read_tokenizer_files
 from flotilla.gateway.app import create_app
 from flotilla.gateway.router_client import RouterClient
 from flotilla.gateway.settings import GatewaySettings
@@ -49,9 +50,16 @@ def test_metrics_count_requests_and_ttft(gateway):
     assert samples[("flotilla_gateway_rejections_total", (("reason", "model_not_found"),))] >= 1
 
 
+def test_tokenizer_files_are_fetched_once_for_every_model_that_shares_them(gateway):
+    response = httpx.post(gateway.base_url + "/v1/chat/completions", json=CHAT_BODY,
+                          headers={"x-api-key": gateway.paid_key})
+    assert response.status_code == 200
+    assert len(gateway.fake.models) > 1 and gateway.fake.num_asset_fetches == 1
+
+
 def test_new_model_is_found_without_waiting_for_the_refresh_period(gateway, checkpoint_dir):
     gateway.fake.add_model(common.ModelInfo(name="tiny-new", version="v2", max_model_len=64,
-                                            checkpoint_path=str(checkpoint_dir)))
+                                            assets_digest=gateway.fake.assets_digest))
     response = httpx.post(gateway.base_url + "/v1/chat/completions", json={**CHAT_BODY, "model": "tiny-new"},
                           headers={"x-api-key": gateway.paid_key})
     assert response.status_code == 200 and response.json()["model"] == "tiny-new"
@@ -70,10 +78,14 @@ class _ModelsButNoRouter(RouterClient):
 
     def __init__(self, address: str, checkpoint_path: str):
         super().__init__(address, list_timeout_s=0.5)
-        self.checkpoint_path = checkpoint_path
+        self.tokenizer_files = read_tokenizer_files(checkpoint_path)
 
     async def list_models(self) -> list[common.ModelInfo]:
-        return [common.ModelInfo(name="tiny", version="v1", max_model_len=128, checkpoint_path=self.checkpoint_path)]
+        return [common.ModelInfo(name="tiny", version="v1", max_model_len=128,
+                                 assets_digest=files_digest(self.tokenizer_files))]
+
+    async def get_model_assets(self, digest: str) -> dict[str, bytes]:
+        return dict(self.tokenizer_files)
 
 
 async def test_unreachable_router(dead_address, checkpoint_dir):

@@ -19,8 +19,8 @@ from .fake_router import CACHED_TOKENS, FakeRouter
 
 
 @pytest.fixture
-async def router(tmp_path):
-    fake = FakeRouter(str(tmp_path))
+async def router(checkpoint_dir):
+    fake = FakeRouter(str(checkpoint_dir))
     server = grpc.aio.server()
     router_pb2_grpc.add_RouterServiceServicer_to_server(fake, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -34,6 +34,15 @@ async def router(tmp_path):
 async def test_list_models(router):
     fake, client = router
     assert [m.name for m in await client.list_models()] == [m.name for m in fake.models]
+
+
+async def test_model_assets_arrive_whole_over_many_chunks(router):
+    fake, client = router
+    assert len(fake.tokenizer_files["tokenizer.json"]) > 64 * 1024  # the fake sends 64 KiB chunks
+    assert await client.get_model_assets(fake.assets_digest) == fake.tokenizer_files
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.get_model_assets("sha256:unknown")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 async def test_generate_streams_until_finished(router):

@@ -36,11 +36,16 @@ from tests.support.redis_server import RedisServer
 from tests.support.waiting import wait_until
 
 MODEL = "flotilla-tiny"
+NO_OUTPUT_CHECK = ("--output-check-interval-s", "0")
 READY_TIMEOUT_S = 60.0  # a started fleet's workers to register, an extra gateway to serve
 
 
 def fleet_config(checkpoint: Path, state_dir: Path, **fields) -> FleetConfig:
-    """A LocalFleet config serving `checkpoint` as MODEL, its logs and ports under `state_dir`."""
+    """A LocalFleet config serving `checkpoint` as MODEL, its logs and ports under `state_dir`.
+
+    The workers' golden-output check is off: its requests would move the engine counters that suites compare
+    before and after (tests/worker/test_output_check.py and router_worker/test_output_health.py test it)."""
+    fields["worker_args"] = [*NO_OUTPUT_CHECK, *fields.get("worker_args", [])]
     return FleetConfig(model_dir=checkpoint, state_dir=state_dir, **{"model_name": MODEL, **fields})
 
 

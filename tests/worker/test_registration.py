@@ -7,6 +7,7 @@ import asyncio
 from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.router.v1 import router_pb2_grpc
+from flotilla.engine.tokenizer_files import files_digest
 from flotilla.router.config import RouterConfig
 from flotilla.router.server import serve
 from flotilla.rpc.options import aio_channel, read_port_file
@@ -28,9 +29,11 @@ async def test_worker_registers_again_when_the_router_forgets_it(tmp_path):
     async def registered_ids() -> set[str]:
         return {s.worker.worker_id for s in (await stub.ListWorkers(rpb.ListWorkersRequest())).workers}
 
+    tokenizer_files = {"tokenizer.json": b'{"model": {}}'}
     info = rpb.WorkerInfo(worker_id="w1", address="127.0.0.1:9", role=pb.WORKER_ROLE_BOTH,
-                          model=pb.ModelInfo(name="m", version="v1"))
-    link = RouterLink(address, info, lambda: pb.LoadReport(num_total_blocks=8, num_free_blocks=8), 1.0)
+                          model=pb.ModelInfo(name="m", version="v1", assets_digest=files_digest(tokenizer_files)))
+    link = RouterLink(address, info, lambda: pb.LoadReport(num_total_blocks=8, num_free_blocks=8), 1.0,
+                      tokenizer_files)
     num_registrations = 0
     register = link._register
 
@@ -46,16 +49,23 @@ async def test_worker_registers_again_when_the_router_forgets_it(tmp_path):
         # The link reports its load right after registering (a second call, so ListWorkers may land between).
         await async_wait_until(lambda: _reported(stub, blocks=8), what="the first load report")
         assert (await stub.ListWorkers(rpb.ListWorkersRequest())).workers[0].healthy
+        assert await _listed_models(stub) == ["m"]  # its tokenizer files reached the router with it
         await stub.DeregisterWorker(rpb.DeregisterWorkerRequest(worker_id="w1"))
-        # The next heartbeat is answered known=false; the link registers again.
+        assert await _listed_models(stub) == []  # and left with it
+        # The next heartbeat is answered known=false; the link registers again, files included.
         await async_wait_until(lambda: _registered_again(registered_ids(), lambda: num_registrations),
                           what="re-registration")
+        assert await _listed_models(stub) == ["m"]
         await link.stop()
         assert "w1" not in await registered_ids()  # deregistered on stop
     finally:
         stop.set()
         await router
         await channel.close()
+
+
+async def _listed_models(stub) -> list[str]:
+    return [m.name for m in (await stub.ListModels(rpb.ListModelsRequest())).models]
 
 
 async def _reported(stub, blocks: int) -> bool:

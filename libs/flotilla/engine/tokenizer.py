@@ -12,7 +12,6 @@ import os
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import jinja2
@@ -24,6 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 
 from flotilla.engine.errors import InvalidRequestError
+from flotilla.engine.tokenizer_files import EXTRA_TEMPLATES_DIR, TokenizerFiles, read_tokenizer_files
 
 # Named special tokens, as transformers' SPECIAL_TOKENS_ATTRIBUTES; templates see them as variables.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -56,16 +56,19 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike[str]) -> Tokenizer:
-        model_dir = Path(model_dir)
-        tokenizer_file = model_dir / "tokenizer.json"
-        if not tokenizer_file.is_file():
-            raise FileNotFoundError(f"{tokenizer_file} not found (only tokenizer.json checkpoints are supported)")
-        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
-        config = _read_json(model_dir / "tokenizer_config.json")
-        special_tokens = _special_tokens(config, _read_json(model_dir / "special_tokens_map.json"))
+        return cls.from_files(read_tokenizer_files(model_dir))
+
+    @classmethod
+    def from_files(cls, files: TokenizerFiles) -> Tokenizer:
+        """From a checkpoint's tokenizer files (tokenizer_files.py), as read from its directory or received."""
+        if "tokenizer.json" not in files:
+            raise FileNotFoundError("tokenizer.json not found (only tokenizer.json checkpoints are supported)")
+        backend = tokenizers.Tokenizer.from_str(files["tokenizer.json"].decode("utf-8"))
+        config = _read_json(files, "tokenizer_config.json")
+        special_tokens = _special_tokens(config, _read_json(files, "special_tokens_map.json"))
         _add_missing_special_tokens(backend, special_tokens)
-        generation = _generation_token_ids(model_dir)
-        return cls(backend, special_tokens, _chat_templates(model_dir, config), generation.eos, generation.bos)
+        generation = _generation_token_ids(files)
+        return cls(backend, special_tokens, _chat_templates(files, config), generation.eos, generation.bos)
 
     @property
     def vocab_size(self) -> int:
@@ -192,13 +195,12 @@ class _GenerationTokenIds(NamedTuple):
     bos: int | None
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
+def _read_json(files: TokenizerFiles, name: str) -> dict[str, Any]:
+    if name not in files:
         return {}
-    with path.open(encoding="utf-8") as handle:
-        value = json.load(handle)
+    value = json.loads(files[name].decode("utf-8"))
     if not isinstance(value, dict):
-        raise ValueError(f"{path} must hold a JSON object")
+        raise ValueError(f"{name} must hold a JSON object")
     return value
 
 
@@ -225,24 +227,24 @@ def _add_missing_special_tokens(backend: tokenizers.Tokenizer, special_tokens: M
         backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in missing])
 
 
-def _generation_token_ids(model_dir: Path) -> _GenerationTokenIds:
+def _generation_token_ids(files: TokenizerFiles) -> _GenerationTokenIds:
     # generate() reads generation_config.json, falling back to config.json when there is none.
-    config = _read_json(model_dir / "generation_config.json") or _read_json(model_dir / "config.json")
+    config = _read_json(files, "generation_config.json") or _read_json(files, "config.json")
     eos = config.get("eos_token_id")
     eos_ids = [eos] if isinstance(eos, int) else [int(token_id) for token_id in eos or []]
     bos = config.get("bos_token_id")
     return _GenerationTokenIds(eos_ids, bos if isinstance(bos, int) else None)
 
 
-def _chat_templates(model_dir: Path, config: Mapping[str, Any]) -> str | dict[str, str] | None:
+def _chat_templates(files: TokenizerFiles, config: Mapping[str, Any]) -> str | dict[str, str] | None:
     """Templates from chat_template.jinja and additional_chat_templates/ override tokenizer_config.json."""
     from_files: dict[str, str] = {}
-    default_file = model_dir / "chat_template.jinja"
-    if default_file.is_file():
-        from_files["default"] = default_file.read_text(encoding="utf-8")
-    extra_dir = model_dir / "additional_chat_templates"
-    for path in sorted(extra_dir.glob("*.jinja")) if extra_dir.is_dir() else ():
-        from_files[path.name.removesuffix(".jinja")] = path.read_text(encoding="utf-8")
+    if "chat_template.jinja" in files:
+        from_files["default"] = files["chat_template.jinja"].decode("utf-8")
+    for name in sorted(files):
+        directory, _, base = name.rpartition("/")
+        if directory == EXTRA_TEMPLATES_DIR and base.endswith(".jinja"):
+            from_files[base.removesuffix(".jinja")] = files[name].decode("utf-8")
     if from_files:
         return from_files["default"] if list(from_files) == ["default"] else from_files
     template = config.get("chat_template")

@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from flotilla.rpc.serving import run_service
+from flotilla.worker.check_settings import CheckSettings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -41,6 +42,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     worker.add_argument("--kv-lease-s", type=float, default=30.0, help="longest a KV hand-off may take")
     worker.add_argument("--kv-write-after-prefill", action="store_true",
                         help="prefill role: one write per layer after the forward pass, not layer by layer")
+    worker.add_argument("--output-check-interval-s", type=float, default=CheckSettings.interval_s,
+                        help="golden-output health check every this many seconds while idle (0: off); a wrong "
+                             "answer takes the worker out of rotation")
+    worker.add_argument("--output-check-busy-interval-s", type=float, default=CheckSettings.busy_interval_s,
+                        help="the same check's interval while requests run")
     worker.set_defaults(func=run_worker)
 
     router = subparsers.add_parser("router", help="place requests on workers and relay their streams")
@@ -108,6 +114,7 @@ def run_worker(args: argparse.Namespace) -> int:
         stream_interval_s=args.stream_interval_ms / 1000,
         metrics_port=args.metrics_port,
         metrics_port_file=args.metrics_port_file,
+        output_check=CheckSettings(args.output_check_interval_s, args.output_check_busy_interval_s),
         disagg=DisaggSettings(args.role, args.min_remote_prefill_tokens, args.kv_lease_s,
                               layerwise=not args.kv_write_after_prefill),
     )

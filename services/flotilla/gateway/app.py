@@ -16,7 +16,7 @@ from flotilla.gateway.context import GatewayContext, RequestContextMiddleware
 from flotilla.gateway.dialects import dialect_for_path, error_response, http_error
 from flotilla.tenancy.keys import KeyStore
 from flotilla.gateway.metrics import GatewayMetrics
-from flotilla.gateway.model_registry import ModelRegistry, TokenizerLoader, load_engine_tokenizer
+from flotilla.gateway.model_registry import ModelRegistry, TokenizerBuilder, build_engine_tokenizer
 from flotilla.gateway.router_client import RouterBackend
 from flotilla.gateway.settings import GatewaySettings
 from flotilla.tenancy.gatekeeper import Gatekeeper
@@ -25,14 +25,14 @@ from flotilla.usage.ledger import UsageLedger
 
 
 def create_app(settings: GatewaySettings, backend: RouterBackend, key_store: KeyStore | None,
-               tokenizer_loader: TokenizerLoader = load_engine_tokenizer,
+               tokenizer_builder: TokenizerBuilder = build_engine_tokenizer,
                metrics: GatewayMetrics | None = None, gatekeeper: Gatekeeper | None = None,
                ledger: UsageLedger | None = None) -> FastAPI:
     """The app does not own `backend`, `gatekeeper` or `ledger`: whoever made them closes them after the server
     stops. Without a gatekeeper, `key_store` (in memory, in-process quotas) authenticates; neither: no auth.
     With a ledger, every request that reaches the router leaves a usage record."""
     metrics = metrics or GatewayMetrics()
-    registry = ModelRegistry(backend, tokenizer_loader, settings.min_refresh_gap_s)
+    registry = ModelRegistry(backend, tokenizer_builder, settings.min_refresh_gap_s)
     if gatekeeper is None and key_store is not None:
         gatekeeper = Gatekeeper(key_store.as_async(), LocalQuotaStore())
     context = GatewayContext(settings, backend, registry, key_store, metrics, gatekeeper, ledger)

@@ -1,4 +1,7 @@
-"""The models the router serves, with one tokenizer per checkpoint, refreshed from the router.
+"""The models the router serves, each with its tokenizer, refreshed from the router.
+
+The gateway has no model files: each model's tokenizer is built from the tokenizer files its workers
+published through the router (fetched once per digest and cached), checked against the digest first.
 
 The list is re-read periodically and, throttled, when a request names a model we do not know (a model
 that came up since the last refresh should not have to wait a whole period).
@@ -9,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from flotilla.api.common.v1 import common_pb2 as common
+from flotilla.engine.tokenizer_files import check_file_names, files_digest
 from flotilla.gateway.errors import ErrorKind, GatewayError
 from flotilla.gateway.router_client import RouterBackend
 
@@ -32,14 +36,14 @@ class TokenizerLike(Protocol):
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
 
 
-TokenizerLoader = Callable[[str], TokenizerLike]
+TokenizerBuilder = Callable[[Mapping[str, bytes]], TokenizerLike]
 
 
-def load_engine_tokenizer(checkpoint_path: str) -> TokenizerLike:
+def build_engine_tokenizer(files: Mapping[str, bytes]) -> TokenizerLike:
     # Imported here so that the gateway starts (and its tests run) without the engine's model stack.
     from flotilla.engine.tokenizer import Tokenizer
 
-    return Tokenizer.from_pretrained(checkpoint_path)
+    return Tokenizer.from_files(files)
 
 
 @dataclass(frozen=True)
@@ -47,18 +51,18 @@ class ServedModel:
     name: str
     version: str
     max_model_len: int
-    checkpoint_path: str
+    assets_digest: str
     aliases: tuple[str, ...]
     tokenizer: TokenizerLike
 
 
 class ModelRegistry:
-    def __init__(self, backend: RouterBackend, tokenizer_loader: TokenizerLoader = load_engine_tokenizer,
+    def __init__(self, backend: RouterBackend, tokenizer_builder: TokenizerBuilder = build_engine_tokenizer,
                  min_refresh_gap_s: float = 1.0):
         self._backend = backend
-        self._load_tokenizer = tokenizer_loader
+        self._build_tokenizer = tokenizer_builder
         self._min_refresh_gap_s = min_refresh_gap_s
-        self._tokenizers: dict[str, TokenizerLike] = {}  # by checkpoint path
+        self._tokenizers: dict[str, TokenizerLike] = {}  # by assets digest: fetched once per model version
         self._by_name: dict[str, ServedModel] = {}  # name, alias and name@version
         self._models: list[ServedModel] = []
         self._lock = asyncio.Lock()
@@ -114,22 +118,26 @@ class ModelRegistry:
                                code="unavailable") from err
 
     async def _served(self, info: common.ModelInfo) -> ServedModel | None:
-        tokenizer = await self._tokenizer(info.checkpoint_path)
+        tokenizer = await self._tokenizer(info.assets_digest)
         if tokenizer is None:
             return None
-        return ServedModel(info.name, info.version, info.max_model_len, info.checkpoint_path,
+        return ServedModel(info.name, info.version, info.max_model_len, info.assets_digest,
                            tuple(info.aliases), tokenizer)
 
-    async def _tokenizer(self, checkpoint_path: str) -> TokenizerLike | None:
-        tokenizer = self._tokenizers.get(checkpoint_path)
+    async def _tokenizer(self, digest: str) -> TokenizerLike | None:
+        tokenizer = self._tokenizers.get(digest)
         if tokenizer is None:
             try:
-                tokenizer = await asyncio.to_thread(self._load_tokenizer, checkpoint_path)
-            except Exception:
-                # The model stays unlisted (and unknown to requests) until its tokenizer can be read here.
-                log.exception("cannot load the tokenizer at %r; model skipped", checkpoint_path)
+                files = await self._backend.get_model_assets(digest)
+                check_file_names(files)
+                if files_digest(files) != digest:
+                    raise ValueError("the files do not hash to their digest")
+                tokenizer = await asyncio.to_thread(self._build_tokenizer, files)
+            except Exception as err:
+                # The model stays unlisted (and unknown to requests) until its tokenizer can be built here.
+                log.warning("cannot build the tokenizer of model assets %r; model skipped: %s", digest, err)
                 return None
-            self._tokenizers[checkpoint_path] = tokenizer
+            self._tokenizers[digest] = tokenizer
         return tokenizer
 
 

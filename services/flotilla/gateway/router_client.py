@@ -1,5 +1,5 @@
-"""The gateway's only way out: the router's Generate streams (on one session) and its model list, over grpc.aio.
-A stream's messages are decoded here, once each, into StreamEvents (rpc/convert.py)."""
+"""The gateway's only way out: the router's Generate streams (on one session), its model list and the models'
+tokenizer files, over grpc.aio. A stream's messages are decoded here, once each, into StreamEvents (rpc/convert.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,15 @@ from typing import Protocol
 
 from flotilla.api.common.v1 import common_pb2 as common
 from flotilla.api.router.v1 import router_pb2, router_pb2_grpc
+from flotilla.engine.tokenizer_files import MAX_TOTAL_BYTES
 from flotilla.rpc.convert import stream_event
+from flotilla.rpc.model_assets import receive_assets
 from flotilla.rpc.options import aio_channel
 from flotilla.rpc.session_client import SessionClient, SessionStream
 from flotilla.rpc.stream_events import StreamEvent
+
+
+ASSETS_TIMEOUT_S = 60.0  # tens of MB for the largest tokenizers
 
 
 class RouterBackend(Protocol):
@@ -23,6 +28,8 @@ class RouterBackend(Protocol):
         """The request's events; the iterator's `aclose()` cancels an unfinished call."""
 
     async def list_models(self) -> list[common.ModelInfo]: ...
+
+    async def get_model_assets(self, digest: str) -> dict[str, bytes]: ...
 
 
 class RouterStream:
@@ -82,6 +89,13 @@ class RouterClient:
     async def list_models(self) -> list[common.ModelInfo]:
         response = await self._stub.ListModels(router_pb2.ListModelsRequest(), timeout=self._list_timeout_s)
         return list(response.models)
+
+    async def get_model_assets(self, digest: str) -> dict[str, bytes]:
+        call = self._stub.GetModelAssets(router_pb2.GetModelAssetsRequest(digest=digest), timeout=ASSETS_TIMEOUT_S)
+        received, files = await receive_assets(call, MAX_TOTAL_BYTES)
+        if received != digest:
+            raise ValueError(f"asked for model assets {digest}, got {received}")
+        return files
 
     async def close(self) -> None:
         self._session.close()

@@ -21,6 +21,7 @@ from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.worker.v1 import worker_pb2_grpc
 from flotilla.rpc.options import aio_channel
 from flotilla.rpc.session_client import SessionClient
+from flotilla.router.model_assets import ModelAssetStore
 from flotilla.router.models import ModelVersionRef
 from flotilla.router.placement import WorkerLoad
 
@@ -87,6 +88,8 @@ class WorkerRegistry:
         self._closing: list[WorkerEntry] = []
         # States set (SetWorkerState) for workers not registered yet: worker id -> (state, set at).
         self._pending_states: dict[str, tuple[int, float]] = {}
+        # Tokenizer files of the models registered workers serve, for gateways (model_assets.py).
+        self.assets = ModelAssetStore()
 
     # ---- membership --------------------------------------------------------------------------------
     def register(self, info: rpb.WorkerInfo) -> WorkerEntry:
@@ -113,6 +116,8 @@ class WorkerRegistry:
         elif pending is not None:
             entry.state = pending[0]
         self._workers[info.worker_id] = entry
+        if old is not None:
+            self.assets.retain(self.announced_assets())
         logger.info("worker %s registered: %s@%s at %s", info.worker_id, entry.model_name, entry.version,
                     info.address)
         return entry
@@ -133,6 +138,7 @@ class WorkerRegistry:
         if entry is None:
             return False
         self._closing.append(entry)
+        self.assets.retain(self.announced_assets())
         logger.info("worker %s deregistered", worker_id)
         return True
 
@@ -149,6 +155,10 @@ class WorkerRegistry:
             logger.info("worker %s: %s -> %s", worker_id, rpb.WorkerState.Name(previous), rpb.WorkerState.Name(state))
         return True, previous
 
+    def announced_assets(self) -> set[str]:
+        """Digests of the tokenizer files registered workers serve."""
+        return {e.info.model.assets_digest for e in self._workers.values() if e.info.model.assets_digest}
+
     def get(self, worker_id: str) -> WorkerEntry | None:
         return self._workers.get(worker_id)
 
@@ -157,7 +167,9 @@ class WorkerRegistry:
 
     # ---- health ------------------------------------------------------------------------------------
     def is_healthy(self, entry: WorkerEntry) -> bool:
-        return not entry.failed and self._clock() - entry.last_heartbeat <= self.heartbeat_timeout_s
+        # A worker whose output check failed is up and heartbeating, but its answers are wrong.
+        return (not entry.failed and not entry.report.output_check_failure
+                and self._clock() - entry.last_heartbeat <= self.heartbeat_timeout_s)
 
     def mark_failed(self, worker_id: str) -> None:
         entry = self._workers.get(worker_id)
@@ -172,7 +184,8 @@ class WorkerRegistry:
             healthy = self.is_healthy(entry)
             if healthy != entry.was_healthy:
                 entry.was_healthy = healthy
-                logger.warning("worker %s is %s", entry.worker_id, "healthy again" if healthy else "unhealthy")
+                why = f" ({entry.report.output_check_failure})" if entry.report.output_check_failure else ""
+                logger.warning("worker %s is %s%s", entry.worker_id, "healthy again" if healthy else "unhealthy", why)
             if now - entry.last_heartbeat > self.evict_after_s:
                 self.deregister(entry.worker_id)
         self._pending_states = {

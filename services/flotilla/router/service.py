@@ -10,11 +10,14 @@ import grpc
 from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.router.v1 import router_pb2_grpc
+from flotilla.engine.tokenizer_files import MAX_TOTAL_BYTES
 from flotilla.rpc.convert import error_response, stream_event
+from flotilla.rpc.model_assets import MalformedAssetsError, asset_chunks, receive_assets
 from flotilla.rpc.session_server import serve_session
 from flotilla.rpc.stream_events import Chunk, StreamEvent
 from flotilla.router.admission import Admission, Placement, RouterError, Ticket
 from flotilla.router.disagg_planner import DisaggPlanner
+from flotilla.router.model_assets import RejectedAssetsError
 from flotilla.router.failover import DEFAULT_MAX_ATTEMPTS, StreamProgress, WorkerLost
 from flotilla.router.models import aliases_of
 from flotilla.router.pool_signals import pool_signals
@@ -229,7 +232,25 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker_id, address and model name/version needed")
         self._registry.register(info)
         self._admission.dispatch()
-        return rpb.RegisterWorkerResponse(heartbeat_interval_ms=self._heartbeat_interval_ms)
+        digest = info.model.assets_digest
+        return rpb.RegisterWorkerResponse(heartbeat_interval_ms=self._heartbeat_interval_ms,
+                                          send_model_assets=bool(digest) and not self._registry.assets.has(digest))
+
+    async def PublishModelAssets(self, request_iterator, context: grpc.aio.ServicerContext
+                                 ) -> rpb.PublishModelAssetsResponse:
+        try:
+            digest, files = await receive_assets(request_iterator, MAX_TOTAL_BYTES)
+            stored = self._registry.assets.put(digest, files, self._registry.announced_assets())
+        except (MalformedAssetsError, RejectedAssetsError) as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        return rpb.PublishModelAssetsResponse(stored=stored)
+
+    async def GetModelAssets(self, request: rpb.GetModelAssetsRequest, context: grpc.aio.ServicerContext):
+        files = self._registry.assets.get(request.digest)
+        if files is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no model assets {request.digest!r}")
+        for chunk in asset_chunks(request.digest, files):
+            yield chunk
 
     async def Heartbeat(
         self, request: rpb.HeartbeatRequest, context: grpc.aio.ServicerContext
@@ -276,6 +297,8 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         for ref in sorted(versions, key=lambda r: (r.name, -r.first_registered)):
             info = pb.ModelInfo()
             info.CopyFrom(self._registry.model_info(ref.name, ref.version))
+            if not self._registry.assets.has(info.assets_digest):
+                continue  # a gateway could not tokenize for it yet: listed once its worker sent the files
             info.aliases[:] = aliases_of(ref, versions, self._aliases)
             models.append(info)
         return rpb.ListModelsResponse(models=models)

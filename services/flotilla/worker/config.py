@@ -8,6 +8,7 @@ from pathlib import Path
 
 from flotilla.engine.config import EngineConfig
 from flotilla.worker.kv_settings import DisaggSettings
+from flotilla.worker.check_settings import CheckSettings
 
 
 @dataclass
@@ -28,6 +29,7 @@ class WorkerConfig:
     disagg: DisaggSettings = field(default_factory=DisaggSettings)  # role and KV hand-off settings
     metrics_port: int | None = None  # Prometheus /metrics on host:port (0 = any free port); None = off
     metrics_port_file: str | None = None  # where the bound metrics port is written
+    output_check: CheckSettings = field(default_factory=CheckSettings)  # golden-output health (output_check.py)
 
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"worker-{uuid.uuid4().hex[:8]}"

@@ -1,23 +1,26 @@
-"""Keeps a worker registered with the router: register, heartbeat with a LoadReport every interval,
-register again when the router says it does not know us (it restarted or dropped us), deregister on stop."""
+"""Keeps a worker registered with the router: register, send the model's tokenizer files when the router asks
+(gateways read them from it), heartbeat with a LoadReport every interval, register again when the router says
+it does not know us (it restarted or dropped us), deregister on stop."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import grpc
 
 from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.router.v1 import router_pb2_grpc
+from flotilla.rpc.model_assets import asset_chunks
 from flotilla.rpc.options import aio_channel
 
 logger = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 2.0
+PUBLISH_TIMEOUT_S = 30.0  # tens of MB for the largest tokenizers
 
 
 class RouterLink:
@@ -27,12 +30,14 @@ class RouterLink:
         worker: rpb.WorkerInfo,
         current_load: Callable[[], pb.LoadReport],
         heartbeat_interval_s: float = 0.25,
+        tokenizer_files: Mapping[str, bytes] | None = None,
     ):
         self._channel = aio_channel(router_address)
         self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
         self._worker = worker
         self._current_load = current_load
         self._interval_s = heartbeat_interval_s
+        self._tokenizer_files = tokenizer_files or {}
         self._registered = False
         self._task: asyncio.Task[None] | None = None
 
@@ -77,6 +82,8 @@ class RouterLink:
         )
         if response.heartbeat_interval_ms > 0:
             self._interval_s = response.heartbeat_interval_ms / 1000
+        if response.send_model_assets:
+            await self._publish_tokenizer_files()
         self._registered = True
         logger.info("registered with the router as %s", self._worker.worker_id)
         # Report load at once, so that the router does not wait an interval to place work here.
@@ -84,3 +91,9 @@ class RouterLink:
             rpb.HeartbeatRequest(worker_id=self._worker.worker_id, load=self._current_load()),
             timeout=CALL_TIMEOUT_S,
         )
+
+    async def _publish_tokenizer_files(self) -> None:
+        # A failure raises before we count as registered: the next tick registers and publishes again.
+        chunks = asset_chunks(self._worker.model.assets_digest, self._tokenizer_files)
+        await self._stub.PublishModelAssets(chunks, timeout=PUBLISH_TIMEOUT_S)
+        logger.info("sent the model's tokenizer files to the router")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.router.v1 import router_pb2 as rpb
@@ -14,8 +14,10 @@ from flotilla.engine.engine import LLMEngine
 from flotilla.observability.exposition import serve_metrics
 from flotilla.rpc.options import address, aio_server, bind
 from flotilla.rpc.serving import announce, stop_on_signals
+from flotilla.engine.tokenizer_files import files_digest, read_tokenizer_files
 from flotilla.worker.config import WorkerConfig
-from flotilla.worker.kv_wiring import KVWiring, attach_kv_transfer, role_proto
+from flotilla.worker.kv_wiring import attach_kv_transfer, role_proto
+from flotilla.worker.output_check import OutputCheck
 from flotilla.worker.registration import RouterLink
 from flotilla.worker.service import WorkerService, current_load, model_info
 from flotilla.worker.telemetry import WorkerMetrics
@@ -36,20 +38,26 @@ async def serve(
                          stream_interval_s=config.stream_interval_s)
     await engine.start()
     worker_id = config.resolved_worker_id()
-    model = model_info(engine, config.resolved_model_name())
+    # What gateways need to serve the model (tokenizer, templates): published through the router.
+    tokenizer_files = read_tokenizer_files(engine.engine.config.model_dir)
+    model = model_info(engine, config.resolved_model_name(), files_digest(tokenizer_files))
     metrics = WorkerMetrics()
     metrics.watch_engine(engine.stats, model.name, worker_id)
     server = aio_server()
     worker_service = WorkerService(engine, worker_id, model, metrics)
+    output_check = await _start_output_check(config, engine, metrics)
+    worker_service.output_check = output_check
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(worker_service, server)
     port = bind(server, config.host, config.port)
     kv = await attach_kv_transfer(config.disagg, engine, server, worker_service, config.advertise_host or config.host,
                                   port)  # fmt: skip
     await server.start()
-    link = _router_link(config, worker_id, model, port, engine, kv)
+    link = _router_link(config, worker_id, model, tokenizer_files, port,
+                        lambda: _with_check(kv.decorate(current_load(engine)), output_check))
     metrics_server = None
     if config.metrics_port is not None:
         metrics_server = serve_metrics(metrics.registry, config.host, config.metrics_port, config.metrics_port_file)
+    output_check_task = asyncio.create_task(output_check.run_forever()) if output_check is not None else None
     announce("worker", config.host, port, config.port_file)
     try:
         await stop.wait()
@@ -60,13 +68,33 @@ async def serve(
         logger.info("worker %s stopping", worker_id)
         if link is not None:
             await link.stop()
+        if output_check_task is not None:
+            output_check_task.cancel()
         await server.stop(config.shutdown_grace_s)
         await kv.close()
         await engine.shutdown()
 
 
+async def _start_output_check(config: WorkerConfig, engine: AsyncEngine, metrics: WorkerMetrics
+                              ) -> OutputCheck | None:
+    """The golden generation is recorded before the worker registers: what it records is what the weights
+    answered at load."""
+    if config.output_check.interval_s <= 0:
+        return None
+    check = OutputCheck(engine, config.output_check, lambda result: metrics.output_checks.labels(result).inc())
+    await check.record()
+    return check
+
+
+def _with_check(load: pb.LoadReport, check: OutputCheck | None) -> pb.LoadReport:
+    if check is not None:
+        load.output_check_failure = check.failure
+    return load
+
+
 def _router_link(
-    config: WorkerConfig, worker_id: str, model: pb.ModelInfo, port: int, engine: AsyncEngine, kv: KVWiring
+    config: WorkerConfig, worker_id: str, model: pb.ModelInfo, tokenizer_files: Mapping[str, bytes], port: int,
+    current_load: Callable[[], pb.LoadReport],
 ) -> RouterLink | None:
     if not config.router_address:
         return None
@@ -76,7 +104,6 @@ def _router_link(
         role=role_proto(config.disagg),
         model=model,
     )
-    link = RouterLink(config.router_address, info, lambda: kv.decorate(current_load(engine)),
-                      config.heartbeat_interval_s)
+    link = RouterLink(config.router_address, info, current_load, config.heartbeat_interval_s, tokenizer_files)
     link.start()
     return link

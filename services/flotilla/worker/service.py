@@ -27,17 +27,20 @@ from flotilla.worker.telemetry import RequestTelemetry, WorkerMetrics
 
 if TYPE_CHECKING:
     from flotilla.worker.decode_side import DecodeSide
+    from flotilla.worker.output_check import OutputCheck
 
 logger = logging.getLogger(__name__)
 
 
-def model_info(engine: AsyncEngine, name: str) -> pb.ModelInfo:
+def model_info(engine: AsyncEngine, name: str, assets_digest: str) -> pb.ModelInfo:
+    """`assets_digest`: of the checkpoint's tokenizer files (engine/tokenizer_files.py), which the router
+    hands to gateways."""
     llm = engine.engine
     return pb.ModelInfo(
         name=name,
         version=llm.model_version,
         max_model_len=llm.max_model_len,
-        checkpoint_path=str(llm.config.model_dir),
+        assets_digest=assets_digest,
     )
 
 
@@ -51,6 +54,7 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
         # The KV hand-off's decode side (kv_wiring.py, roles prefill and decode): a request that names a
         # prefill worker is prefilled there. None: every request is prefilled here.
         self.decode_side: DecodeSide | None = None
+        self.output_check: OutputCheck | None = None  # when on: its failure makes Health not ready
 
     async def GenerateSession(self, actions, context: grpc.aio.ServicerContext) -> None:
         """Many Generate streams on one call; the router's way in (rpc/session_server.py)."""
@@ -139,10 +143,15 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
         return wpb.AbortResponse(found=found)
 
     async def Health(self, request: wpb.HealthRequest, context: grpc.aio.ServicerContext) -> wpb.HealthResponse:
-        return wpb.HealthResponse(ready=self._engine.is_running, worker_id=self.worker_id, model=self.model)
+        problem = self.output_check.failure if self.output_check is not None else ""
+        return wpb.HealthResponse(ready=self._engine.is_running and not problem, worker_id=self.worker_id,
+                                  model=self.model, problem=problem)
 
     async def GetLoad(self, request: wpb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReport:
-        return current_load(self._engine)
+        load = current_load(self._engine)
+        if self.output_check is not None:
+            load.output_check_failure = self.output_check.failure
+        return load
 
 
 def current_load(engine: AsyncEngine) -> pb.LoadReport:

@@ -26,6 +26,8 @@ class WorkerMetrics:
         self.requests = Counter("flotilla_worker_requests", "Generate calls by model, tier and outcome",
                                 ["model", "tier", "outcome"], registry=self.registry)
         self.kv_transfer = KVTransferMetrics.create(self.registry)
+        self.output_checks = Counter("flotilla_worker_output_checks", "Golden-output checks by result "
+                                     "(pass, fail, timeout)", ["result"], registry=self.registry)
 
     def watch_engine(self, stats: Callable[[], EngineStats | None], model: str, worker_id: str) -> None:
         self.registry.register(EngineStatsCollector(stats, model, worker_id))

@@ -15,13 +15,15 @@ from flotilla.api.worker.v1 import worker_pb2 as wpb
 from flotilla.api.worker.v1 import worker_pb2_grpc
 from flotilla.engine.new_request import NewRequest
 from flotilla.engine.sampling_params import SamplingParams
+from flotilla.engine.tokenizer_files import files_digest, read_tokenizer_files
 from flotilla.fleet.local import START_TIMEOUT_S
 from flotilla.rpc.convert import new_request_to_proto
+from flotilla.rpc.model_assets import asset_chunks
 
 from flotilla.fleet.process import ServiceProcess
 
 from tests.support.engines import BLOCK_SIZE, NUM_KV_BLOCKS, greedy_reference
-from tests.support.fleet import start_service
+from tests.support.fleet import NO_OUTPUT_CHECK, start_service
 from tests.support.waiting import wait_until
 
 MODEL = "tiny-test"
@@ -40,7 +42,7 @@ def fleet(tiny_checkpoint, tmp_path_factory) -> dict[str, ServiceProcess]:
     services = {"router": start_service(state_dir, "router", "router", "--alias", f"default={MODEL}",
                                         "--heartbeat-timeout-s", "1.0", "--max-queue-wait-s", "5")}
     try:
-        engine_flags = ["--model-dir", str(tiny_checkpoint), "--router", services["router"].address,
+        engine_flags = [*NO_OUTPUT_CHECK, "--model-dir", str(tiny_checkpoint), "--router", services["router"].address,
                         "--device", "cpu", "--num-kv-blocks", str(NUM_KV_BLOCKS), "--block-size", str(BLOCK_SIZE)]
         for name, worker_id, model in (("worker", "w-main", MODEL), ("spare", "w-spare", "spare")):
             services[name] = start_service(state_dir, name, "worker", *engine_flags, "--worker-id", worker_id,
@@ -81,6 +83,37 @@ def test_models_are_listed_with_version_and_aliases(fleet, tiny_engine):
     assert models[MODEL].max_model_len == tiny_engine.max_model_len
     health = worker_stub(fleet).Health(wpb.HealthRequest(), timeout=5)
     assert health.ready and health.worker_id == "w-main" and health.model.name == MODEL
+
+
+def test_workers_publish_their_tokenizer_files_once_for_gateways(fleet, tiny_checkpoint):
+    stub = router_stub(fleet)
+    models = {m.name: m for m in stub.ListModels(rpb.ListModelsRequest(), timeout=5).models}
+    files = read_tokenizer_files(tiny_checkpoint)
+    # Same checkpoint, same digest: the two workers' models share one set of files at the router.
+    assert models[MODEL].assets_digest == models["spare"].assets_digest == files_digest(files)
+    chunks = list(stub.GetModelAssets(rpb.GetModelAssetsRequest(digest=models[MODEL].assets_digest), timeout=5))
+    received: dict[str, bytes] = {}
+    for chunk in chunks:
+        received[chunk.file_name] = received.get(chunk.file_name, b"") + chunk.data
+    assert received == files
+
+
+def test_the_router_refuses_tokenizer_files_nobody_announced_or_that_do_not_match(fleet, tiny_checkpoint):
+    stub = router_stub(fleet)
+    announced = stub.ListModels(rpb.ListModelsRequest(), timeout=5).models[0].assets_digest
+    files = read_tokenizer_files(tiny_checkpoint)
+    tampered = {**files, "chat_template.jinja": b"{{ 'owned' }}"}
+    for digest, sent, why in (
+        (files_digest(tampered), tampered, "no registered worker serves"),  # not announced by any worker
+        (announced, tampered, "hash to"),  # announced digest, other content
+        (announced, {**files, "../../etc/passwd": b"x"}, "unexpected tokenizer file"),
+    ):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.PublishModelAssets(asset_chunks(digest, sent), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.GetModelAssets(rpb.GetModelAssetsRequest(digest=files_digest(tampered)), timeout=5))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 def test_generate_through_the_router_equals_the_offline_engine(fleet, tiny_engine):
