@@ -10,6 +10,7 @@ from flotilla.engine.new_request import NewRequest
 from flotilla.engine.outputs import EngineStats, RequestOutput
 from flotilla.engine.request import FinishReason, Priority
 from flotilla.engine.sampling_params import SamplingParams
+from flotilla.engine.structured_output import StructuredOutput
 from flotilla.engine.scheduler_output import TokenLogprobs
 from flotilla.rpc.convert import (
     chunk_response,
@@ -35,7 +36,8 @@ def output(**overrides) -> RequestOutput:
 
 
 PARAMS = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.5, top_k=3, seed=11, stop=("x",),
-                        stop_token_ids=(2,), ignore_eos=True, logprobs=0)
+                        stop_token_ids=(2,), ignore_eos=True, logprobs=0,
+                        structured_output=StructuredOutput("regex", "[a-z]+"))
 
 
 def test_new_request_round_trip():
@@ -67,6 +69,7 @@ def test_a_resume_count_beyond_the_prompt_is_refused():
 
 def test_proto_zero_values_mean_unset():
     params = sampling_params_from_proto(pb.SamplingParams(max_tokens=4))
+    assert params.structured_output is None
     assert params.top_p == 1.0 and params.seed is None and params.logprobs is None and params.temperature == 0.0
     assert priority_from_proto(pb.PRIORITY_CLASS_UNSPECIFIED) is Priority.INTERACTIVE
 

@@ -23,6 +23,7 @@ from flotilla.engine.sampling_params import SamplingParams
 from flotilla.engine.scheduler import Scheduler, SchedulerConfig
 from flotilla.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from flotilla.engine.stop_checker import StopChecker
+from flotilla.engine.grammar_backend import GrammarBackend
 from flotilla.engine.tokenizer import Tokenizer
 
 
@@ -43,6 +44,9 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(config.model_dir)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.torch_dtype)
         self.tokenizer = Tokenizer.from_pretrained(config.model_dir)
+        # Structured outputs (grammar_backend.py); llguidance's vocabulary is built at the first such request.
+        self.grammars = GrammarBackend(self.tokenizer.to_json(), self.model_config.vocab_size,
+                                       sorted(self.tokenizer.eos_token_ids))
         self.max_model_len = min(self.model_config.max_model_len, config.max_model_len or 1 << 62)
         self.model_version = model_version(config.model_dir)
         model = load_model(config.model_dir, self.dtype, self.device)
@@ -90,6 +94,7 @@ class LLMEngine:
         new.sampling_params.validate(max_tokens_limit=self.max_model_len)
         if not new.prompt_token_ids:  # a resumed stream too: its own prompt, not only what it delivered
             raise InvalidRequestError("prompt", "must contain at least one token")
+        structured = new.sampling_params.structured_output
         return Request(
             request_id=new.request_id,
             prompt_token_ids=self._validated_prompt([*new.prompt_token_ids, *new.delivered_token_ids]),
@@ -98,6 +103,8 @@ class LLMEngine:
             cache_salt=new.cache_salt,
             eos_token_ids=tuple(self.tokenizer.eos_token_ids),
             num_previous_output_tokens=len(new.delivered_token_ids),
+            # A resumed stream's matcher replays what was delivered: the output goes on inside the grammar.
+            grammar=self.grammars.matcher(structured, new.delivered_token_ids) if structured is not None else None,
         )
 
     def _track(self, request: Request) -> _Tracked:
@@ -175,7 +182,12 @@ class LLMEngine:
     def _advance(self, tracked: _Tracked, token_id: int, runner_output: ModelRunnerOutput) -> RequestOutput:
         request = tracked.request
         self._num_output_tokens_total += 1
-        decision = tracked.stop_checker.after_token(token_id, tracked.detokenizer.push([token_id]))
+        grammar_complete = False
+        if request.grammar is not None:
+            # The token came from the masked logits (here, or on the prefill worker under the same grammar).
+            request.grammar.consume_token(token_id)
+            grammar_complete = request.grammar.is_stopped()
+        decision = tracked.stop_checker.after_token(token_id, tracked.detokenizer.push([token_id]), grammar_complete)
         text = decision.text_delta
         if decision.finish_reason is not None:
             if not isinstance(decision.stop_reason, str):  # a stop string cuts the text; anything else flushes

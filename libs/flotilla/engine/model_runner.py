@@ -11,6 +11,7 @@ from flotilla.engine.model import decode_kernel
 from flotilla.engine.model.attention import AttentionMetadata, SeqChunk
 from flotilla.engine.model.kv_cache import allocate_kv_cache, copy_blocks
 from flotilla.engine.model.llama import LlamaForCausalLM
+from flotilla.engine.grammar_backend import mask_logits
 from flotilla.engine.sampler import compute_logprobs, sample
 from flotilla.engine.scheduler_output import BlockCopy, ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 
@@ -77,7 +78,10 @@ class ModelRunner:
         last_rows = torch.tensor(_last_rows(chunks, sampling), device=self.device)
         logits = self.model.compute_logits(hidden[last_rows])
         requests = [chunks[i].request for i in sampling]
-        token_ids = sample(logits, requests, self.default_seed)
+        # Structured outputs: constrained rows sample from masked logits; logprobs stay the model's own.
+        constrained = [i for i, request in enumerate(requests) if request.grammar is not None]
+        sampling_logits = mask_logits(logits, constrained, [requests[i].grammar for i in constrained]) if constrained else logits
+        token_ids = sample(sampling_logits, requests, self.default_seed)
         output = ModelRunnerOutput(sampled_token_ids={r.request_id: t for r, t in zip(requests, token_ids)})
         self._add_logprobs(output, logits, requests, token_ids)
         return output

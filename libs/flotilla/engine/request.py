@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from flotilla.engine.sampling_params import SamplingParams
 
@@ -54,6 +55,8 @@ class Request:
     # A resumed stream: the last N prompt tokens are this request's own output from an earlier attempt (on
     # another worker); sampling continues at output index N.
     num_previous_output_tokens: int = 0
+    # Structured outputs: the llguidance matcher following this request's output (grammar_backend.py).
+    grammar: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

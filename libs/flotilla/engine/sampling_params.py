@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from flotilla.engine.errors import InvalidRequestError
+from flotilla.engine.structured_output import StructuredOutput
 
 MAX_STOP_STRINGS = 16
 
@@ -21,6 +22,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token (0 = only the sampled one)
+    structured_output: StructuredOutput | None = None  # decoding constrained to a schema/regex/grammar
 
     @property
     def is_greedy(self) -> bool:

@@ -25,8 +25,9 @@ class StopChecker:
         self._text = ""  # all text decoded so far (cut at a matched stop string)
         self._num_released = 0
 
-    def after_token(self, token_id: int, new_text: str) -> StopDecision:
-        """Call once per generated token with the detokenizer's new text for it."""
+    def after_token(self, token_id: int, new_text: str, grammar_complete: bool = False) -> StopDecision:
+        """Call once per generated token with the detokenizer's new text for it; `grammar_complete`: the
+        request's structured output can take no more tokens (it ends here, without waiting for an EOS)."""
         params = self._request.sampling_params
         search_from = max(0, len(self._text) - max((len(s) for s in self._stops), default=0) + 1)
         self._text += new_text
@@ -37,6 +38,8 @@ class StopChecker:
             return self._finish(FinishReason.STOP, token_id)
         if not params.ignore_eos and token_id in self._request.eos_token_ids:
             return self._finish(FinishReason.STOP, token_id)
+        if grammar_complete:
+            return self._finish(FinishReason.STOP, None)
         if self._request.num_output_tokens >= params.max_tokens or self._request.num_tokens >= self._max_model_len:
             return self._finish(FinishReason.LENGTH, None)
         return StopDecision(None, None, self._release(len(self._text) - self._held_back_length()))

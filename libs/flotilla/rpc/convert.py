@@ -13,6 +13,7 @@ from flotilla.engine.new_request import NewRequest
 from flotilla.engine.outputs import EngineStats, RequestOutput
 from flotilla.engine.request import FinishReason, Priority
 from flotilla.engine.sampling_params import SamplingParams
+from flotilla.engine.structured_output import StructuredOutput
 from flotilla.engine.scheduler_output import TokenLogprobs
 from flotilla.rpc.stream_events import Chunk, Error, Finished, StreamEvent, Usage
 
@@ -43,6 +44,8 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        structured_output=(StructuredOutput(msg.structured_output.kind, msg.structured_output.spec)  # type: ignore[arg-type]
+                           if msg.HasField("structured_output") else None),
     )
 
 
@@ -58,6 +61,9 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
     )
     if params.seed is not None:
         msg.seed = params.seed
+    if params.structured_output is not None:
+        msg.structured_output.kind = params.structured_output.kind
+        msg.structured_output.spec = params.structured_output.spec
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
     return msg

@@ -20,6 +20,7 @@ from flotilla.gateway.errors import ErrorKind, GatewayError
 from flotilla.gateway.generation import (Job, check_context_window, checked_sampling, collect, router_events,
                                          tokenize, until_disconnected)
 from flotilla.gateway.model_registry import TokenizerLike
+from flotilla.gateway.structured_params import anthropic_structured_output
 from flotilla.gateway.sse import Events, SSEResponse, first_event, sse_json
 from flotilla.rpc.stream_events import Chunk, Finished, Usage
 
@@ -35,7 +36,8 @@ async def create_message(request: Request) -> Response:
     model = await ctx.registry.resolve(requested)
     sampling = checked_sampling(max_tokens=params.max_tokens, temperature=_or(params.temperature, 1.0),
                                 top_p=_or(params.top_p, 1.0), top_k=_or(params.top_k, 0),
-                                stop=tuple(params.stop_sequences or ()))
+                                stop=tuple(params.stop_sequences or ()),
+                                structured_output=anthropic_structured_output(params.output_config))
     prompt_ids = await tokenize(encode_messages, model.tokenizer, params)
     check_context_window(len(prompt_ids), params.max_tokens, model.max_model_len)
     admitted = await admit(request, ctx.gatekeeper, ctx.settings.admission, Dialect.ANTHROPIC, principal,

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from flotilla.gateway.schema_base import RequestModel
+from flotilla.gateway.structured_params import OutputConfig
 
 
 class TextBlock(RequestModel):
@@ -38,6 +39,7 @@ class MessagesRequest(RequestModel):
     stop_sequences: list[str] | None = None
     stream: bool = False
     metadata: Metadata | None = None
+    output_config: OutputConfig | None = None  # its `format`: structured output (structured_params.py)
 
     @property
     def system_text(self) -> str | None:

@@ -126,7 +126,8 @@ async def _generate(request: Request, ctx: GatewayContext, plan: Plan) -> Respon
     params = plan.params
     sampling = checked_sampling(max_tokens=plan.max_tokens, temperature=_or(params.temperature, 1.0),
                                 top_p=_or(params.top_p, 1.0), top_k=_or(params.top_k, 0), seed=params.seed,
-                                stop=params.stop_list, logprobs=plan.num_logprobs, ignore_eos=params.ignore_eos)
+                                stop=params.stop_list, logprobs=plan.num_logprobs, ignore_eos=params.ignore_eos,
+                                structured_output=params.structured_output())
     check_context_window(len(plan.prompt_ids), sampling.max_tokens, plan.model.max_model_len)
     admitted = await admit(request, ctx.gatekeeper, ctx.settings.admission, Dialect.OPENAI, plan.principal,
                            request_id(request), len(plan.prompt_ids), sampling.max_tokens)

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from flotilla.gateway.schema_base import RequestModel
+from flotilla.gateway.structured_params import GuidedParams
 
 
 class TextPart(RequestModel):
@@ -30,8 +31,8 @@ class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class CommonParams(RequestModel):
-    """Fields shared by both endpoints."""
+class CommonParams(GuidedParams):
+    """Fields shared by both endpoints (structured-output fields from structured_params.py)."""
 
     model: str | None = None
     max_tokens: int | None = None  # our policy: required (max_completion_tokens counts as well)

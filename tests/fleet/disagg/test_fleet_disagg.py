@@ -6,6 +6,7 @@ across decode workers within the load cap while prefix hits still happen."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import openai
 
@@ -130,3 +131,21 @@ def test_decode_worker_traces_the_kv_transfer_under_its_generate_span(disagg_fle
         assert parent.attributes["flotilla.worker_id"] in decode_ids
         assert transfer.attributes["flotilla.kv_transfer.bytes"] > 0
         assert transfer.attributes["flotilla.kv_transfer.writes"] > 0
+
+
+def test_structured_output_across_the_kv_hand_off(disagg_fleet, reference):
+    """The prefill worker samples the first token under the grammar; the decode worker's matcher takes it
+    and goes on: the output equals the colocated engine's and follows the regex."""
+    from flotilla.engine.structured_output import StructuredOutput
+
+    text, pattern = _text(3, 90), r"[a-z]{2,5}( [a-z]{2,5}){3}"  # ~200 tokens: prefilled remotely
+    (prefill,) = workers_with_role(disagg_fleet.fleet, "prefill")
+    sent_before = kv_transfer_bytes(disagg_fleet.fleet, prefill, "send")
+    client = openai.OpenAI(base_url=f"{disagg_fleet.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    answer = client.completions.create(model=MODEL, prompt=text, max_tokens=40, temperature=0,
+                                       extra_body={"guided_regex": pattern})
+    params = SamplingParams(max_tokens=40, temperature=0.0, structured_output=StructuredOutput("regex", pattern))
+    (expected,) = reference.generate([reference.tokenizer.encode(text)], params)
+    assert answer.choices[0].text == expected.text
+    assert re.fullmatch(pattern, answer.choices[0].text)
+    assert kv_transfer_bytes(disagg_fleet.fleet, prefill, "send") > sent_before  # prefilled remotely

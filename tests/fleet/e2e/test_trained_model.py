@@ -10,25 +10,14 @@ import io
 import shutil
 import subprocess
 import textwrap
-from pathlib import Path
 
 import anthropic
 import openai
-import pytest
 
 from flotilla.cli.up import usage_text
 from flotilla.models.catalog import DEFAULT_MODEL
 
-from tests.support.fleet import Fleet, fleet_config, start_fleet
 from tests.support.trained_model import MAX_TOKENS
-
-
-@pytest.fixture(scope="module")
-def trained_fleet(trained_checkpoint: Path, tmp_path_factory) -> Fleet:
-    config = fleet_config(trained_checkpoint, tmp_path_factory.mktemp("trained-fleet"), model_name=DEFAULT_MODEL,
-                          worker_args=["--num-kv-blocks", "128"])
-    with start_fleet(config, keys={"test-key": ("tenant-a", "paid")}) as running:
-        yield running
 
 
 async def _chat(oai: openai.AsyncOpenAI, messages: list[dict], stream: bool) -> tuple[str, str, int, int]:

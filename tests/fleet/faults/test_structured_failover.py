@@ -1,0 +1,65 @@
+"""A structured-output stream whose worker is killed mid-stream resumes on the other worker inside its grammar:
+the resumed worker replays the delivered tokens through a fresh matcher, so the whole output still validates,
+and equals the run without a failure (greedy and seeded). Dynamo disables migration for guided decoding
+because resuming duplicated JSON; this is the test that it does not here."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+
+import httpx
+import jsonschema
+import pytest
+
+from tests.support.fleet import fleet_config, start_fleet
+
+from .sse_client import completion_body, stream_completion
+from .test_worker_failure import SEED_BASE, _killer
+
+NUM_STREAMS = 24
+SCHEMA = {"type": "object",
+          "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 3},
+                                  "minItems": 4, "maxItems": 4}},
+          "required": ["id", "tags"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def two_workers(tiny_checkpoint, tmp_path_factory):
+    config = fleet_config(tiny_checkpoint, tmp_path_factory.mktemp("structured-faults"), num_workers=2,
+                          worker_args=["--num-kv-blocks", "512"], metrics=False)
+    with start_fleet(config, keys={"k": ("tenant-s", "paid")}) as fleet:
+        yield fleet
+
+
+def _bodies() -> list[dict]:
+    rng = random.Random(9)
+    bodies = []
+    for i in range(NUM_STREAMS):
+        prompt = [rng.randrange(3, 250) for _ in range(rng.randrange(4, 16))]
+        body = completion_body(prompt, 200, seed=None if i % 2 else SEED_BASE + i)
+        bodies.append({**body, "guided_json": SCHEMA})
+    return bodies
+
+
+async def _run(fleet, on_event=None):
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=NUM_STREAMS + 4)) as client:
+        return await asyncio.gather(*(stream_completion(client, fleet.url, fleet.headers, body, on_event)
+                                      for body in _bodies()))
+
+
+async def test_kill_9_mid_stream_keeps_every_output_inside_the_schema(two_workers):
+    reference = await _run(two_workers)
+    assert all(r.error is None and r.finish_reason == "stop" for r in reference)
+    victim = two_workers.fleet.workers[1]
+    results = await _run(two_workers, _killer(victim, 2))
+    assert not victim.is_running()
+    assert [r.error for r in results] == [None] * NUM_STREAMS
+    for result in results:
+        jsonschema.validate(json.loads(result.text), SCHEMA)
+    assert [r.text for r in results] == [r.text for r in reference]
+    router_log = (two_workers.state_dir / "logs" / "router.log").read_text()
+    assert re.search(r"lost .* after [1-9][0-9]* tokens", router_log), "no stream was resumed mid-output"
