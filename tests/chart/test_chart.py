@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
-from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
@@ -17,25 +15,15 @@ import yaml
 
 from flotilla.operator.manifests import deployment, service
 from flotilla.operator.pool_spec import parse_spec
+from tests.chart.rendering import CASES, CHART, documents, needs_helm, render
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "flotilla"
-HELM = Path(os.environ.get("FLOTILLA_HELM", ROOT / ".cache" / "helm" / "2.2.2" / "helm"))
 KUBERNETES_VERSION = "1.35.0"
-CASES = {"default": None, **{p.stem: p for p in sorted((CHART / "examples").glob("*.yaml"))}}
 # Kinds whose schemas kubernetes-validate does not ship: the chart's own CRD (checked below against the CRD's
 # schema) and the Prometheus operator's ServiceMonitor and PodMonitor (not checked: their CRDs are not
 # vendored here).
 CUSTOM_KINDS = {"InferencePool", "ServiceMonitor", "PodMonitor"}
 
-pytestmark = pytest.mark.skipif(not HELM.exists(), reason=f"no helm binary at {HELM}: run `make helm` (needs npm)")
-
-
-def render(values: Path | None, *extra: str) -> subprocess.CompletedProcess:
-    args = [str(HELM), "template", "flotilla", str(CHART), "--include-crds", "--namespace", "flotilla"]
-    if values is not None:
-        args += ["-f", str(values)]
-    return subprocess.run([*args, *extra], capture_output=True, text=True, timeout=60)
+pytestmark = needs_helm
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -44,10 +32,6 @@ def rendered(request) -> tuple[str, str]:
     if result.returncode != 0:
         raise AssertionError(f"helm template failed for {request.param}:\n{result.stderr}")
     return request.param, result.stdout
-
-
-def documents(text: str) -> list[dict]:
-    return [doc for doc in yaml.safe_load_all(text) if doc]
 
 
 def crd_schema() -> dict:

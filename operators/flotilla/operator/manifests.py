@@ -11,6 +11,10 @@ ROLE_LABEL = "flotilla.dev/role"
 # The ReplicaSet deletes pods with the lowest cost first: a drained worker gets this before a scale-down.
 DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
 DRAINED_DELETION_COST = "-1000"
+# The image's user (Dockerfile) and the only paths a worker writes on its read-only root filesystem: scratch, the
+# caches (the CPU decode kernel, compiled on first use; Hugging Face; Triton) and shared memory (torch, UCX).
+IMAGE_UID = 10001
+WRITABLE_PATHS = {"tmp": "/tmp", "cache": "/var/cache/flotilla", "shm": "/dev/shm"}
 
 
 def owner_reference(body: dict[str, Any]) -> dict[str, Any]:
@@ -52,8 +56,10 @@ def deployment(body: dict[str, Any], spec: PoolSpec, replicas: int, router_addre
                 "metadata": {"labels": labels(name, spec)},
                 "spec": {
                     "terminationGracePeriodSeconds": 120,
+                    "automountServiceAccountToken": False,  # a worker never calls the Kubernetes API
+                    "securityContext": pod_security_context(),
                     "containers": [_container(spec, router_address)],
-                    **({"volumes": list(spec.worker.volumes)} if spec.worker.volumes else {}),
+                    "volumes": [*_writable_volumes(), *spec.worker.volumes],
                 },
             },
         },
@@ -75,13 +81,43 @@ def _container(spec: PoolSpec, router_address: str) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": "worker", "image": spec.worker.image, "command": ["flotilla"], "args": args, "env": env,
         "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"}],
-        "readinessProbe": {"tcpSocket": {"port": "grpc"}, "periodSeconds": 5},
+        **_probes(port),
+        "securityContext": CONTAINER_SECURITY_CONTEXT,
+        "volumeMounts": [*({"name": name, "mountPath": path} for name, path in WRITABLE_PATHS.items()),
+                         *spec.worker.volume_mounts],
     }
-    if spec.worker.volume_mounts:
-        container["volumeMounts"] = list(spec.worker.volume_mounts)
     if spec.worker.resources:
         container["resources"] = _quantities_as_strings(spec.worker.resources)
     return container
+
+
+CONTAINER_SECURITY_CONTEXT = {
+    "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},
+}
+
+
+def pod_security_context() -> dict[str, Any]:
+    return {"runAsNonRoot": True, "runAsUser": IMAGE_UID, "runAsGroup": IMAGE_UID, "fsGroup": IMAGE_UID,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _writable_volumes() -> list[dict[str, Any]]:
+    return [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}},
+            {"name": "shm", "emptyDir": {"medium": "Memory"}}]
+
+
+def _probes(port: int) -> dict[str, Any]:
+    """The worker opens its gRPC port once its weights are loaded: the startup probe (up to 30 minutes) and then
+    liveness watch the port. Ready only when WorkerService.Health says so (engine running and, where the worker
+    runs it, the golden-output check passing): `flotilla probe worker`. A failed check takes the pod out of
+    Ready (and so holds a rollout) without restarting it; the router has taken the worker out of rotation."""
+    port_open = {"tcpSocket": {"port": "grpc"}, "periodSeconds": 10}
+    return {
+        "startupProbe": {**port_open, "failureThreshold": 180},
+        "readinessProbe": {"exec": {"command": ["flotilla", "probe", "worker", f"127.0.0.1:{port}"]},
+                           "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 2},
+        "livenessProbe": {**port_open, "failureThreshold": 3},
+    }
 
 
 def _quantities_as_strings(resources: dict[str, Any]) -> dict[str, Any]:
