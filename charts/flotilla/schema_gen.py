@@ -16,6 +16,9 @@ IMAGE = {
 REDIS_IMAGE = {**IMAGE, "properties": {**IMAGE["properties"], "tag": {
     "type": "string", "pattern": r"^(7\.4\.([6-9]|[1-9][0-9])|7\.([5-9]|[1-9][0-9])\.[0-9]+|([8-9]|[1-9][0-9])\.[0-9]+\.[0-9]+)(-[a-z0-9.]+)?$",
     "description": ">= 7.4.6"}}}
+PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
+SELECTOR_PAIR = {"type": "object", "additionalProperties": False, "required": ["namespaceSelector", "podSelector"],
+                 "properties": {"namespaceSelector": {"type": "object"}, "podSelector": {"type": "object"}}}
 RESOURCES = {
     "type": "object", "additionalProperties": False,
     "properties": {k: {"type": "object", "additionalProperties": {"type": ["string", "integer", "number"]}}
@@ -74,6 +77,15 @@ SCHEMA = {
         "keys": {"type": "object", "additionalProperties": False, "properties": {
             "existingSecret": {"type": "string"}, "keysJson": {"type": "string"},
             "limits": {"type": "object", "properties": {"maxBodyBytes": {"type": "integer", "minimum": 1}}}}},
+        "networkPolicy": {"type": "object", "additionalProperties": False, "properties": {
+            "enabled": {"type": "boolean"},
+            "gatewayFrom": {"type": "array", "items": {"type": "object"}},
+            "prometheus": SELECTOR_PAIR, "dns": SELECTOR_PAIR,
+            "apiServer": {"type": "object", "additionalProperties": False, "properties": {
+                "to": {"type": "array", "items": {"type": "object"}},
+                "ports": {"type": "array", "minItems": 1, "items": PORT}}},
+            "externalRedis": {"type": "object", "additionalProperties": False, "properties": {
+                "to": {"type": "array", "items": {"type": "object"}}, "port": PORT}}}},
         "grafana": {"type": "object", "additionalProperties": False, "properties": {
             "dashboard": {"type": "boolean"}, "sidecarLabel": {"type": "string", "minLength": 1}}},
         "redis": {"type": "object", "additionalProperties": False, "properties": {

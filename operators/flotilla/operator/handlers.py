@@ -116,4 +116,4 @@ def _parse(spec: kopf.Spec) -> PoolSpec:
 
 def _raw(body: kopf.Body) -> dict[str, Any]:
     return {"metadata": {"name": body.metadata.name, "namespace": body.metadata.namespace,
-                         "uid": body.metadata.uid}}
+                         "uid": body.metadata.uid, "labels": dict(body.metadata.labels)}}

@@ -26,10 +26,15 @@ def owner_reference(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def labels(pool_name: str, spec: PoolSpec) -> dict[str, str]:
+INSTANCE_LABEL = "app.kubernetes.io/instance"  # the Helm release: its NetworkPolicies select workers by it
+METRICS_PORT = 9091
+
+
+def labels(body: dict[str, Any], spec: PoolSpec) -> dict[str, str]:
+    instance = (body["metadata"].get("labels") or {}).get(INSTANCE_LABEL)
     return {
         "app.kubernetes.io/name": "flotilla-worker", "app.kubernetes.io/managed-by": "flotilla-operator",
-        POOL_LABEL: pool_name, ROLE_LABEL: spec.role,
+        POOL_LABEL: body["metadata"]["name"], ROLE_LABEL: spec.role, **({INSTANCE_LABEL: instance} if instance else {}),
     }
 
 
@@ -45,7 +50,7 @@ def deployment(body: dict[str, Any], spec: PoolSpec, replicas: int, router_addre
         "kind": "Deployment",
         "metadata": {
             "name": worker_name(name), "namespace": body["metadata"]["namespace"],
-            "labels": labels(name, spec), "ownerReferences": [owner_reference(body)],
+            "labels": labels(body, spec), "ownerReferences": [owner_reference(body)],
         },
         "spec": {
             "replicas": replicas,
@@ -53,7 +58,7 @@ def deployment(body: dict[str, Any], spec: PoolSpec, replicas: int, router_addre
             # The operator drains before it lowers replicas; a rollout must not kill streams either.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "template": {
-                "metadata": {"labels": labels(name, spec)},
+                "metadata": {"labels": labels(body, spec)},
                 "spec": {
                     "terminationGracePeriodSeconds": 120,
                     "automountServiceAccountToken": False,  # a worker never calls the Kubernetes API
@@ -71,7 +76,8 @@ def _container(spec: PoolSpec, router_address: str) -> dict[str, Any]:
     args = [
         "worker", "--host", "0.0.0.0", "--port", str(port), "--advertise-host", "$(POD_IP)",
         "--worker-id", "$(POD_NAME)", "--router", router_address,
-        "--model-dir", spec.model.checkpoint, "--model-name", spec.model.name, *spec.worker.args,
+        "--model-dir", spec.model.checkpoint, "--model-name", spec.model.name,
+        "--metrics-port", str(METRICS_PORT), *spec.worker.args,
     ]  # fmt: skip
     env = [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -80,7 +86,8 @@ def _container(spec: PoolSpec, router_address: str) -> dict[str, Any]:
     ]
     container: dict[str, Any] = {
         "name": "worker", "image": spec.worker.image, "command": ["flotilla"], "args": args, "env": env,
-        "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"}],
+        "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
         **_probes(port),
         "securityContext": CONTAINER_SECURITY_CONTEXT,
         "volumeMounts": [*({"name": name, "mountPath": path} for name, path in WRITABLE_PATHS.items()),
@@ -133,7 +140,7 @@ def service(body: dict[str, Any], spec: PoolSpec) -> dict[str, Any]:
         "kind": "Service",
         "metadata": {
             "name": worker_name(name), "namespace": body["metadata"]["namespace"],
-            "labels": labels(name, spec), "ownerReferences": [owner_reference(body)],
+            "labels": labels(body, spec), "ownerReferences": [owner_reference(body)],
         },
         "spec": {
             "clusterIP": "None",
