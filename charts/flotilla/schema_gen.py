@@ -59,6 +59,9 @@ ROLE = {
         "metricsPort": {"type": "integer", "minimum": 1, "maximum": 65535},
         "intervalSeconds": {"type": "number", "exclusiveMinimum": 0},
         "rbac": {"type": "object", "properties": {"create": {"type": "boolean"}}, "additionalProperties": False},
+        "gatewayApiInferencePool": {"type": "object", "additionalProperties": False, "properties": {
+            "mode": {"enum": ["auto", "on", "off"]},
+            "endpointPicker": {"type": "string", "pattern": "^([a-z0-9-]+(:[0-9]+)?)?$"}}},
     },
     "additionalProperties": False,
 }

@@ -1,6 +1,6 @@
 """The Helm chart rendered by a real helm binary (`make helm`), for the default values and every example
 values file: equal to its golden file, valid against the Kubernetes 1.35 schemas (kubernetes-validate,
-strict), InferencePools valid against the chart's own CRD schema, and the Deployments and Services the
+strict), FlotillaPools valid against the chart's own CRD schema, and the Deployments and Services the
 operator builds from those pools valid too."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ KUBERNETES_VERSION = "1.35.0"
 # Kinds whose schemas kubernetes-validate does not ship: the chart's own CRD (checked below against the CRD's
 # schema) and the Prometheus operator's ServiceMonitor and PodMonitor (not checked: their CRDs are not
 # vendored here).
-CUSTOM_KINDS = {"InferencePool", "ServiceMonitor", "PodMonitor"}
+CUSTOM_KINDS = {"FlotillaPool", "ServiceMonitor", "PodMonitor"}
 
 pytestmark = needs_helm
 
@@ -35,7 +35,7 @@ def rendered(request) -> tuple[str, str]:
 
 
 def crd_schema() -> dict:
-    crd = yaml.safe_load((CHART / "crds" / "inferencepools.yaml").read_text())
+    crd = yaml.safe_load((CHART / "crds" / "flotillapools.yaml").read_text())
     return _json_schema(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
 
 
@@ -69,13 +69,13 @@ def test_rendered_is_valid_kubernetes_strict(rendered):
         if doc["kind"] in CUSTOM_KINDS:
             continue
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
-    assert {"CustomResourceDefinition", "Deployment", "Service", "ClusterRole", "InferencePool"} <= kinds
+    assert {"CustomResourceDefinition", "Deployment", "Service", "ClusterRole", "FlotillaPool"} <= kinds
 
 
 def test_pools_are_valid_custom_resources_and_build_valid_workloads(rendered):
     name, text = rendered
     validator = jsonschema.Draft4Validator(crd_schema())
-    pools = [doc for doc in documents(text) if doc["kind"] == "InferencePool"]
+    pools = [doc for doc in documents(text) if doc["kind"] == "FlotillaPool"]
     assert pools
     for pool in pools:
         validator.validate(pool)
@@ -87,7 +87,7 @@ def test_pools_are_valid_custom_resources_and_build_valid_workloads(rendered):
 
 def test_crd_schema_rejects_a_bad_pool():
     pool = documents(render(None).stdout)
-    (good,) = [doc for doc in pool if doc["kind"] == "InferencePool"]
+    (good,) = [doc for doc in pool if doc["kind"] == "FlotillaPool"]
     validator = jsonschema.Draft4Validator(crd_schema())
     for path, value in [(("role",), "sideways"), (("replicas", "max"), 0), (("worker", "image"), "")]:
         bad = copy.deepcopy(good)

@@ -1,4 +1,4 @@
-"""Manifest builders, pure: an InferencePool to its worker Deployment and Service (dicts, no cluster)."""
+"""Manifest builders, pure: an FlotillaPool to its worker Deployment and Service (dicts, no cluster)."""
 
 from __future__ import annotations
 
