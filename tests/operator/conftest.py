@@ -17,7 +17,7 @@ from flotilla.fleet.process import ServiceProcess
 from tests.support.fleet import start_service
 
 MODEL = "tiny"
-POOL_RESOURCE = "flotilla.dev/v1alpha1/inferencepools"
+POOL_RESOURCE = "flotilla.dev/v1alpha1/flotillapools"
 
 
 class FakeWorkers:
@@ -88,7 +88,7 @@ def kube(kmock: kmock.KubernetesEmulator) -> kmock.KubernetesEmulator:
     kmock.resources["v1/pods"] = kmock_info("Pod")
     kmock.resources["v1/services"] = kmock_info("Service")
     kmock.resources["apps/v1/deployments"] = kmock_info("Deployment", subresources={"status", "scale"})
-    kmock.resources[POOL_RESOURCE] = kmock_info("InferencePool", subresources={"status"})
+    kmock.resources[POOL_RESOURCE] = kmock_info("FlotillaPool", subresources={"status"})
     kmock.objects["v1/namespaces", None, "ns1"] = {"metadata": {"name": "ns1"}}
     return kmock
 

@@ -42,3 +42,15 @@ def test_deployment_and_service_are_owned_labelled_and_selected_alike():
     container = dep["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"] == {"limits": {"cpu": "2"}}
     assert container["args"][-2:] == ["--block-size", "32"] and "$(POD_NAME)" in container["args"]
+
+
+def test_workers_carry_the_pools_release_label_and_serve_metrics():
+    pool = parse_spec(SPEC)
+    body = {"metadata": {**BODY["metadata"], "labels": {"app.kubernetes.io/instance": "rel"}}}
+    dep = deployment(body, pool, 1, "router:50050")
+    assert dep["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/instance"] == "rel"
+    assert "app.kubernetes.io/instance" not in dep["spec"]["selector"]["matchLabels"]  # selectors are immutable
+    assert "app.kubernetes.io/instance" not in deployment(BODY, pool, 1, "r:1")["spec"]["template"]["metadata"]["labels"]
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][container["args"].index("--metrics-port") + 1] == "9091"
+    assert {"name": "metrics", "containerPort": 9091, "protocol": "TCP"} in container["ports"]

@@ -1,4 +1,4 @@
-"""The real kopf operator against the kmock emulator and a real router: an InferencePool creates its
+"""The real kopf operator against the kmock emulator and a real router: an FlotillaPool creates its
 Deployment and Service (owner references set), a change of signals scales it, status is written."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tests.support.waiting import async_wait_until
 
 POOL = {
     "apiVersion": "flotilla.dev/v1alpha1",
-    "kind": "InferencePool",
+    "kind": "FlotillaPool",
     # kmock keeps no resourceVersion of its own: one set here stays constant, so kopf's patches that test it
     # pass (and the handlers must be idempotent: nothing detects a concurrent write).
     "metadata": {"name": "decode-a", "namespace": "ns1", "uid": "uid-decode-a", "resourceVersion": "1"},
@@ -32,7 +32,7 @@ POOL = {
 # Keys with parsed resources: `key in kmock.objects` does not parse a "group/version/plural" string.
 DEPLOYMENT = (kmock.resource("apps/v1/deployments"), "ns1", "decode-a-workers")
 SERVICE = (kmock.resource("v1/services"), "ns1", "decode-a-workers")
-POOL_KEY = (kmock.resource("flotilla.dev/v1alpha1/inferencepools"), "ns1", "decode-a")
+POOL_KEY = (kmock.resource("flotilla.dev/v1alpha1/flotillapools"), "ns1", "decode-a")
 
 
 def _get(kube: kmock.KubernetesEmulator, key, *path):
@@ -58,13 +58,13 @@ async def test_pool_creates_deployment_scales_on_signals_and_writes_status(kube,
     operator = asyncio.create_task(kopf.operator(registry=registry, settings=settings, namespaces=["ns1"],
                                                  standalone=True, stop_flag=stop))
     try:
-        await kube.post(f"/apis/flotilla.dev/v1alpha1/namespaces/ns1/inferencepools", json=POOL)
+        await kube.post(f"/apis/flotilla.dev/v1alpha1/namespaces/ns1/flotillapools", json=POOL)
         await async_wait_until(lambda: _get(kube, DEPLOYMENT, "spec", "replicas") == 2, 20,
                                "the Deployment at min + warm")
         deployment = kube.objects[DEPLOYMENT].raw
         owner = deployment["metadata"]["ownerReferences"][0]
         assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == \
-            ("InferencePool", "decode-a", "uid-decode-a", True)
+            ("FlotillaPool", "decode-a", "uid-decode-a", True)
         container = deployment["spec"]["template"]["spec"]["containers"][0]
         assert container["resources"] == {"limits": {"nvidia.com/gpu": "1"}}
         assert "--router" in container["args"] and router.address in container["args"]

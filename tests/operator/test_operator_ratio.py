@@ -64,7 +64,7 @@ def pool(name: str, role: str, replicas: dict) -> dict:
 
 def keys(name: str):
     return ((kmock.resource("apps/v1/deployments"), "ns1", f"{name}-workers"),
-            (kmock.resource("flotilla.dev/v1alpha1/inferencepools"), "ns1", name))
+            (kmock.resource("flotilla.dev/v1alpha1/flotillapools"), "ns1", name))
 
 
 async def test_prefill_pool_scales_to_the_ratio_of_the_decode_pool(kube, router_address):
@@ -81,7 +81,7 @@ async def test_prefill_pool_scales_to_the_ratio_of_the_decode_pool(kube, router_
     prefill_deployment, prefill_pool = keys("prefill-a")
     try:
         # Alone, the prefill pool holds its own minimum: there is no decode pool to follow.
-        await kube.post("/apis/flotilla.dev/v1alpha1/namespaces/ns1/inferencepools",
+        await kube.post("/apis/flotilla.dev/v1alpha1/namespaces/ns1/flotillapools",
                         json=pool("prefill-a", "prefill", {"min": 1, "max": 8, "warm": 0}))
         await async_wait_until(lambda: _get(kube, prefill_pool, "status", "lastDecision", "time") is not None, 20,
                                "the prefill pool's first decision")
@@ -89,7 +89,7 @@ async def test_prefill_pool_scales_to_the_ratio_of_the_decode_pool(kube, router_
         assert "ratio" not in _get(kube, prefill_pool, "status", "lastDecision", "reason")
 
         # A decode pool of the model at 3 active replicas: the prefill pool grows to the ratio's 5.
-        await kube.post("/apis/flotilla.dev/v1alpha1/namespaces/ns1/inferencepools",
+        await kube.post("/apis/flotilla.dev/v1alpha1/namespaces/ns1/flotillapools",
                         json=pool("decode-a", "decode", {"min": NUM_DECODE, "max": 6, "warm": 0}))
         await async_wait_until(lambda: _get(kube, keys("decode-a")[1], "status", "activeReplicas") == NUM_DECODE,
                                20, "the decode pool's status")

@@ -1,25 +1,16 @@
 """The wheel is the distribution a container image installs: it must hold every module, the generated gRPC
 stubs and the decode kernel's C source, and work with the source tree out of sight.
 
-The wheel is built from a copy of the checkout without generated files (as a clean clone has it), installed
-into a fresh virtualenv outside the source tree, and exercised from there. Third-party packages come from
-the project's own virtualenv through a path entry (reinstalling torch and the rest would take minutes); the
-project's editable install is not visible there, so every `flotilla` module must come from the wheel.
+The wheel is built and installed by the Dockerfile's own commands (conftest.py: `image_install`) from a copy of
+the checkout without generated files (as a clean clone has it), into a fresh virtualenv outside the source tree,
+and exercised there with the image's environment. Third-party packages come from the project's own virtualenv
+through a path entry (reinstalling torch and the rest would take minutes); the project's editable install is not
+visible there, so every `flotilla` module must come from the wheel.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import sysconfig
 import textwrap
-import venv
-from pathlib import Path
-
-import pytest
-
-REPO = Path(__file__).resolve().parents[2]
 
 # Run in the fresh virtualenv: imports every module the wheel lists, from the wheel's files only.
 CHECK_INSTALLED = textwrap.dedent("""
@@ -62,55 +53,20 @@ CHECK_INSTALLED = textwrap.dedent("""
 """)
 
 
-def _clean_copy(destination: Path) -> None:
-    """Tracked and untracked-but-not-ignored files: what a clean clone of this working tree holds."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                            check=True, capture_output=True).stdout.decode().split("\0")
-    for name in filter(None, listed):
-        source = REPO / name
-        if source.is_file():
-            target = destination / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(source.read_bytes())
-
-
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> Path:
-    """The fresh virtualenv with the wheel installed; returns its python."""
-    root = tmp_path_factory.mktemp("wheel")
-    source, dist, env_dir = root / "source", root / "dist", root / "venv"
-    _clean_copy(source)
-    assert not (source / "libs" / "flotilla" / "api").exists()
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--wheel-dir", str(dist), str(source)], check=True, cwd=root)
-    (wheel,) = dist.glob("flotilla-*.whl")
-    venv.create(env_dir, with_pip=True)
-    python = env_dir / "bin" / "python"
-    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", str(wheel)],
-                   check=True, cwd=root)
-    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               check=True, capture_output=True, text=True).stdout.strip())
-    (site / "project-dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    return python
-
-
-def _run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    env["FLOTILLA_CACHE"] = str(cwd / "cache")  # the kernel is built anew from the installed source
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-
-
-def test_every_module_imports_from_the_wheel_and_the_kernel_builds(installed, tmp_path):
-    site = _run([str(installed), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp_path)
+def test_every_module_imports_from_the_wheel_and_the_kernel_builds(image_install, tmp_path):
+    python = str(image_install.python)
+    site = image_install.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp_path)
     check = tmp_path / "check_installed.py"
     check.write_text(CHECK_INSTALLED)
-    result = _run([str(installed), str(check), site.stdout.strip()], tmp_path)
+    result = image_install.run([python, str(check), site.stdout.strip()], tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "decode kernel built" in result.stdout
+    # Built from the installed source into the image's FLOTILLA_CACHE (a writable volume in the chart).
+    assert list((image_install.cache / "kernels").glob("paged_decode_attention-*.so"))
 
 
-def test_console_script_runs_from_the_wheel(installed, tmp_path):
-    result = _run([str(installed.parent / "flotilla"), "--help"], tmp_path)
+def test_console_script_runs_from_the_wheel(image_install, tmp_path):
+    result = image_install.run([str(image_install.prefix / "bin" / "flotilla"), "--help"], tmp_path)
     assert result.returncode == 0, result.stderr
     for subcommand in ("up", "gateway", "worker", "router", "keys", "model"):
         assert subcommand in result.stdout

@@ -1,6 +1,6 @@
 """The control law, pure: from a pool's signals and policy to a scaling decision. No clocks, no I/O.
 
-One law drives the Kubernetes operator (InferencePool) and the local supervisor (`flotilla up --autoscale`):
+One law drives the Kubernetes operator (FlotillaPool) and the local supervisor (`flotilla up --autoscale`):
 
 - Demand in replicas is the largest of: queued tokens / target per replica; used KV blocks / (blocks per
   replica x target utilisation); and, while p95 TTFT misses its SLO, the current count scaled by the miss

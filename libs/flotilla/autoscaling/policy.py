@@ -1,4 +1,4 @@
-"""A pool's scaling policy: bounds, targets, cooldowns. Mirrors the InferencePool spec (operator) and the
+"""A pool's scaling policy: bounds, targets, cooldowns. Mirrors the FlotillaPool spec (operator) and the
 `flotilla up --autoscale` flags (local supervisor)."""
 
 from __future__ import annotations

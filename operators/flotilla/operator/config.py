@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from flotilla.operator.gaie import GatewayTarget
 
 
 @dataclass(frozen=True)
@@ -12,6 +15,7 @@ class OperatorConfig:
     interval_s: float = 10.0  # how often each pool is rescaled from its signals
     kube_host: str | None = None  # API server URL without credentials (tests); None: in-cluster/kubeconfig
     metrics_port: int | None = None  # serve the autoscaler gauges on /metrics here (0: any free port)
+    gateway: GatewayTarget = field(default_factory=lambda: GatewayTarget(mode="off"))  # GAIE InferencePools
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0:
@@ -25,4 +29,14 @@ class OperatorConfig:
             kube_host=os.environ.get("FLOTILLA_KUBE_HOST") or None,
             metrics_port=int(os.environ["FLOTILLA_OPERATOR_METRICS_PORT"])
             if os.environ.get("FLOTILLA_OPERATOR_METRICS_PORT") else None,
+            gateway=_gateway_from_env(),
         )
+
+
+def _gateway_from_env() -> GatewayTarget:
+    """FLOTILLA_GATEWAY_SELECTOR (JSON labels of the gateway pods), FLOTILLA_GATEWAY_PORT, FLOTILLA_GAIE_INFERENCE_POOL
+    (auto, on, off; default auto with a selector, else off), FLOTILLA_GAIE_ENDPOINT_PICKER (name:port)."""
+    selector = json.loads(os.environ.get("FLOTILLA_GATEWAY_SELECTOR") or "{}")
+    return GatewayTarget(selector=selector, port=int(os.environ.get("FLOTILLA_GATEWAY_PORT", "8080")),
+                         endpoint_picker=os.environ.get("FLOTILLA_GAIE_ENDPOINT_PICKER", ""),
+                         mode=os.environ.get("FLOTILLA_GAIE_INFERENCE_POOL") or ("auto" if selector else "off"))

@@ -1,4 +1,4 @@
-"""kopf handlers for InferencePool: flat functions that take what they need; registered on a registry so
+"""kopf handlers for FlotillaPool: flat functions that take what they need; registered on a registry so
 tests run the real operator with their own settings.
 
 - create/update/resume: the Deployment and the headless Service exist and match the spec (create-or-patch:
@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from flotilla.autoscaling.router_client import RouterClient
 from flotilla.observability.autoscaler import AutoscalerMetrics
 from flotilla.observability.exposition import serve_metrics
-from flotilla.operator import manifests
+from flotilla.operator import gaie, manifests
 from flotilla.operator.config import OperatorConfig
 from flotilla.operator.kube import Kube, api_client
 from flotilla.operator.pool_spec import GROUP, PLURAL, VERSION, InvalidPoolSpec, PoolSpec, parse_spec
@@ -43,6 +43,12 @@ def register_handlers(registry: kopf.OperatorRegistry, config: OperatorConfig) -
             routers[address] = RouterClient(address)
         return routers[address]
 
+    def gaie_enabled() -> bool:
+        """mode on: always; auto: when the GAIE CRD is served (asked at each reconcile: it may be installed later)."""
+        if config.gateway.mode == "auto":
+            return kube.serves(gaie.GROUP, gaie.VERSION, gaie.PLURAL)
+        return config.gateway.mode == "on"
+
     if config.kube_host:
         @kopf.on.login(registry=registry)
         def login(**_: Any) -> kopf.ConnectionInfo:
@@ -60,11 +66,13 @@ def register_handlers(registry: kopf.OperatorRegistry, config: OperatorConfig) -
         address = pool.router_address or config.router_address
         kube.apply_deployment(manifests.deployment(raw, pool, initial, address), keep_replicas=existing is not None)
         kube.apply_service(manifests.service(raw, pool))
+        if pool.role in gaie.SERVING_ROLES and gaie_enabled():
+            kube.apply_custom(gaie.GROUP, gaie.VERSION, gaie.PLURAL, gaie.inference_pool(raw, pool, config.gateway))
         if existing is None:
             patch.status["desiredReplicas"] = initial
             patch.status["lastDecision"] = {"reason": f"created with min {pool.policy.min_replicas} + "
                                                       f"warm {pool.policy.warm_replicas} replicas"}
-        logger.info("InferencePool %s reconciled", meta["name"])
+        logger.info("FlotillaPool %s reconciled", meta["name"])
 
     @kopf.index(GROUP, VERSION, PLURAL, id="decode_pools", registry=registry)  # id: the kwarg name
     def decode_pools(namespace: str, spec: kopf.Spec, status: kopf.Status, **_: Any) -> dict | None:
@@ -96,7 +104,7 @@ def register_handlers(registry: kopf.OperatorRegistry, config: OperatorConfig) -
                               manifests.DRAINED_DELETION_COST)
         if result.replicas != current:
             kube.scale_deployment(meta["namespace"], name, result.replicas)
-            logger.info("InferencePool %s: %d -> %d replicas: %s", meta["name"], current, result.replicas,
+            logger.info("FlotillaPool %s: %d -> %d replicas: %s", meta["name"], current, result.replicas,
                         result.decision.reason)
         ready = (deployment.get("status") or {}).get("ready_replicas") or 0
         for key, value in result.status(ready).items():
@@ -116,4 +124,4 @@ def _parse(spec: kopf.Spec) -> PoolSpec:
 
 def _raw(body: kopf.Body) -> dict[str, Any]:
     return {"metadata": {"name": body.metadata.name, "namespace": body.metadata.namespace,
-                         "uid": body.metadata.uid}}
+                         "uid": body.metadata.uid, "labels": dict(body.metadata.labels)}}

@@ -25,6 +25,29 @@ class Kube:
     def __init__(self, client: kubernetes.client.ApiClient):
         self.apps = kubernetes.client.AppsV1Api(client)
         self.core = kubernetes.client.CoreV1Api(client)
+        self.custom = kubernetes.client.CustomObjectsApi(client)
+
+    def serves(self, group: str, version: str, plural: str) -> bool:
+        """Whether the API server serves this resource (its CRD is installed), from API discovery."""
+        try:
+            resources = self.custom.get_api_resources(group, version)
+        except ApiException as error:
+            if error.status == 404:
+                return False
+            raise
+        return any(r.name == plural for r in resources.resources or [])
+
+    def apply_custom(self, group: str, version: str, plural: str, manifest: dict[str, Any]) -> None:
+        """Create, or merge-patch the existing one."""
+        meta = manifest["metadata"]
+        try:
+            self.custom.get_namespaced_custom_object(group, version, meta["namespace"], plural, meta["name"])
+        except ApiException as error:
+            if error.status != 404:
+                raise
+            self.custom.create_namespaced_custom_object(group, version, meta["namespace"], plural, manifest)
+            return
+        self.custom.patch_namespaced_custom_object(group, version, meta["namespace"], plural, meta["name"], manifest)
 
     def apply_deployment(self, manifest: dict[str, Any], keep_replicas: bool) -> dict[str, Any]:
         """Create, or patch the existing one. keep_replicas: leave its replicas alone (the timer owns them)."""

@@ -1,4 +1,4 @@
-"""Manifest builders, pure: an InferencePool to its worker Deployment and Service (dicts, no cluster)."""
+"""Manifest builders, pure: an FlotillaPool to its worker Deployment and Service (dicts, no cluster)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,10 @@ ROLE_LABEL = "flotilla.dev/role"
 # The ReplicaSet deletes pods with the lowest cost first: a drained worker gets this before a scale-down.
 DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
 DRAINED_DELETION_COST = "-1000"
+# The image's user (Dockerfile) and the only paths a worker writes on its read-only root filesystem: scratch, the
+# caches (the CPU decode kernel, compiled on first use; Hugging Face; Triton) and shared memory (torch, UCX).
+IMAGE_UID = 10001
+WRITABLE_PATHS = {"tmp": "/tmp", "cache": "/var/cache/flotilla", "shm": "/dev/shm"}
 
 
 def owner_reference(body: dict[str, Any]) -> dict[str, Any]:
@@ -22,10 +26,15 @@ def owner_reference(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def labels(pool_name: str, spec: PoolSpec) -> dict[str, str]:
+INSTANCE_LABEL = "app.kubernetes.io/instance"  # the Helm release: its NetworkPolicies select workers by it
+METRICS_PORT = 9091
+
+
+def labels(body: dict[str, Any], spec: PoolSpec) -> dict[str, str]:
+    instance = (body["metadata"].get("labels") or {}).get(INSTANCE_LABEL)
     return {
         "app.kubernetes.io/name": "flotilla-worker", "app.kubernetes.io/managed-by": "flotilla-operator",
-        POOL_LABEL: pool_name, ROLE_LABEL: spec.role,
+        POOL_LABEL: body["metadata"]["name"], ROLE_LABEL: spec.role, **({INSTANCE_LABEL: instance} if instance else {}),
     }
 
 
@@ -41,7 +50,7 @@ def deployment(body: dict[str, Any], spec: PoolSpec, replicas: int, router_addre
         "kind": "Deployment",
         "metadata": {
             "name": worker_name(name), "namespace": body["metadata"]["namespace"],
-            "labels": labels(name, spec), "ownerReferences": [owner_reference(body)],
+            "labels": labels(body, spec), "ownerReferences": [owner_reference(body)],
         },
         "spec": {
             "replicas": replicas,
@@ -49,11 +58,13 @@ def deployment(body: dict[str, Any], spec: PoolSpec, replicas: int, router_addre
             # The operator drains before it lowers replicas; a rollout must not kill streams either.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "template": {
-                "metadata": {"labels": labels(name, spec)},
+                "metadata": {"labels": labels(body, spec)},
                 "spec": {
                     "terminationGracePeriodSeconds": 120,
+                    "automountServiceAccountToken": False,  # a worker never calls the Kubernetes API
+                    "securityContext": pod_security_context(),
                     "containers": [_container(spec, router_address)],
-                    **({"volumes": list(spec.worker.volumes)} if spec.worker.volumes else {}),
+                    "volumes": [*_writable_volumes(), *spec.worker.volumes],
                 },
             },
         },
@@ -65,7 +76,8 @@ def _container(spec: PoolSpec, router_address: str) -> dict[str, Any]:
     args = [
         "worker", "--host", "0.0.0.0", "--port", str(port), "--advertise-host", "$(POD_IP)",
         "--worker-id", "$(POD_NAME)", "--router", router_address,
-        "--model-dir", spec.model.checkpoint, "--model-name", spec.model.name, *spec.worker.args,
+        "--model-dir", spec.model.checkpoint, "--model-name", spec.model.name,
+        "--metrics-port", str(METRICS_PORT), *spec.worker.args,
     ]  # fmt: skip
     env = [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -74,14 +86,45 @@ def _container(spec: PoolSpec, router_address: str) -> dict[str, Any]:
     ]
     container: dict[str, Any] = {
         "name": "worker", "image": spec.worker.image, "command": ["flotilla"], "args": args, "env": env,
-        "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"}],
-        "readinessProbe": {"tcpSocket": {"port": "grpc"}, "periodSeconds": 5},
+        "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
+        **_probes(port),
+        "securityContext": CONTAINER_SECURITY_CONTEXT,
+        "volumeMounts": [*({"name": name, "mountPath": path} for name, path in WRITABLE_PATHS.items()),
+                         *spec.worker.volume_mounts],
     }
-    if spec.worker.volume_mounts:
-        container["volumeMounts"] = list(spec.worker.volume_mounts)
     if spec.worker.resources:
         container["resources"] = _quantities_as_strings(spec.worker.resources)
     return container
+
+
+CONTAINER_SECURITY_CONTEXT = {
+    "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},
+}
+
+
+def pod_security_context() -> dict[str, Any]:
+    return {"runAsNonRoot": True, "runAsUser": IMAGE_UID, "runAsGroup": IMAGE_UID, "fsGroup": IMAGE_UID,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _writable_volumes() -> list[dict[str, Any]]:
+    return [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}},
+            {"name": "shm", "emptyDir": {"medium": "Memory"}}]
+
+
+def _probes(port: int) -> dict[str, Any]:
+    """The worker opens its gRPC port once its weights are loaded: the startup probe (up to 30 minutes) and then
+    liveness watch the port. Ready only when WorkerService.Health says so (engine running and, where the worker
+    runs it, the golden-output check passing): `flotilla probe worker`. A failed check takes the pod out of
+    Ready (and so holds a rollout) without restarting it; the router has taken the worker out of rotation."""
+    port_open = {"tcpSocket": {"port": "grpc"}, "periodSeconds": 10}
+    return {
+        "startupProbe": {**port_open, "failureThreshold": 180},
+        "readinessProbe": {"exec": {"command": ["flotilla", "probe", "worker", f"127.0.0.1:{port}"]},
+                           "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 2},
+        "livenessProbe": {**port_open, "failureThreshold": 3},
+    }
 
 
 def _quantities_as_strings(resources: dict[str, Any]) -> dict[str, Any]:
@@ -97,7 +140,7 @@ def service(body: dict[str, Any], spec: PoolSpec) -> dict[str, Any]:
         "kind": "Service",
         "metadata": {
             "name": worker_name(name), "namespace": body["metadata"]["namespace"],
-            "labels": labels(name, spec), "ownerReferences": [owner_reference(body)],
+            "labels": labels(body, spec), "ownerReferences": [owner_reference(body)],
         },
         "spec": {
             "clusterIP": "None",

@@ -1,4 +1,4 @@
-"""An InferencePool's spec, typed: the policy for the control law and what the worker pods run."""
+"""An FlotillaPool's spec, typed: the policy for the control law and what the worker pods run."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from flotilla.autoscaling.policy import PoolPolicy, RoleThroughput
 
 GROUP = "flotilla.dev"
 VERSION = "v1alpha1"
-PLURAL = "inferencepools"
-KIND = "InferencePool"
+PLURAL = "flotillapools"
+KIND = "FlotillaPool"
 ROLES = {"both": pb.WORKER_ROLE_BOTH, "prefill": pb.WORKER_ROLE_PREFILL, "decode": pb.WORKER_ROLE_DECODE}
 
 
@@ -92,4 +92,4 @@ def parse_spec(spec: dict[str, Any]) -> PoolSpec:
     except (KeyError, TypeError, ValueError) as error:
         if isinstance(error, InvalidPoolSpec):
             raise
-        raise InvalidPoolSpec(f"bad InferencePool spec: {error!r}") from None
+        raise InvalidPoolSpec(f"bad FlotillaPool spec: {error!r}") from None
