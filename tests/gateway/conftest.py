@@ -26,3 +26,18 @@ def gateway(checkpoint_dir, tmp_path_factory):
     gw = InProcessGateway(checkpoint_dir, tmp_path_factory.mktemp("gateway-keys")).start()
     yield gw
     gw.stop()
+
+
+@pytest.fixture(scope="session")
+def tool_checkpoint_dir(checkpoint_dir, tmp_path_factory):
+    """The gateway's tiny checkpoint with a chat template that renders tools (Hermes / Qwen2.5 style)."""
+    from tests.support.tool_templates import with_chat_template
+
+    return with_chat_template(checkpoint_dir, tmp_path_factory.mktemp("tool-ckpt") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def tool_gateway(tool_checkpoint_dir, tmp_path_factory):
+    gw = InProcessGateway(tool_checkpoint_dir, tmp_path_factory.mktemp("tool-gateway-keys")).start()
+    yield gw
+    gw.stop()

@@ -6,6 +6,8 @@
 - "busy" / "gone": an OVERLOADED / UNAVAILABLE error before any token.
 - "midfail": one chunk, then an INTERNAL error.
 - "hang": one chunk, then waits until cancelled (the cancellation is recorded).
+- "script": the texts in `FakeRouter.script`, one token per text, then STOP (eos): a model output chosen by the
+  test (tool calls, say), token ids FIRST_TOKEN_ID, FIRST_TOKEN_ID + 1, ...
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ CACHED_TOKENS = 3
 FIRST_TOKEN_ID = 100
 EOS_TOKEN_ID = 2
 MAX_MODEL_LEN = 128
-MODEL_NAMES = ("tiny", "busy", "gone", "midfail", "hang")
+SCRIPT_MAX_MODEL_LEN = 4096  # room for tool definitions in the prompt
+MODEL_NAMES = ("tiny", "busy", "gone", "midfail", "hang", "script")
 
 
 def token_text(i: int) -> str:
@@ -44,11 +47,13 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
         self.tokenizer_files = read_tokenizer_files(checkpoint_path)
         self.assets_digest = files_digest(self.tokenizer_files)
         self.num_asset_fetches = 0
-        self.models = [common.ModelInfo(name=name, version="v1", max_model_len=MAX_MODEL_LEN,
+        self.models = [common.ModelInfo(name=name, version="v1",
+                                        max_model_len=SCRIPT_MAX_MODEL_LEN if name == "script" else MAX_MODEL_LEN,
                                         assets_digest=self.assets_digest,
                                         aliases=["tiny-latest"] if name == "tiny" else [])
                        for name in MODEL_NAMES]
         self.requests: list[common.GenerateRequest] = []
+        self.script: list[str] = []  # what model "script" answers
         self.cancelled: list[common.GenerateRequest] = []
         self._changed = threading.Condition()
 
@@ -85,7 +90,8 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
         self._record(self.requests, request)
         behaviour = {"busy": self._error(common.ERROR_CODE_OVERLOADED, "queue full"),
                      "gone": self._error(common.ERROR_CODE_UNAVAILABLE, "no worker serves the model"),
-                     "midfail": self._midfail(), "hang": self._hang(request)}.get(request.model)
+                     "midfail": self._midfail(), "hang": self._hang(request),
+                     "script": self._script(request)}.get(request.model)
         async for response in behaviour or self._tokens(request):
             yield response
 
@@ -95,6 +101,13 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
             ids = list(range(start, min(start + 2, num_tokens)))
             yield common.GenerateResponse(chunk=_chunk(ids, request.sampling))
         yield common.GenerateResponse(finished=finished)
+
+    async def _script(self, request: common.GenerateRequest):
+        for i, text in enumerate(self.script):
+            yield common.GenerateResponse(chunk=common.TokenChunk(token_ids=[FIRST_TOKEN_ID + i], text=text))
+        usage = common.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=len(self.script))
+        yield common.GenerateResponse(finished=common.Finished(reason=common.FINISH_REASON_STOP,
+                                                               stop_token_id=EOS_TOKEN_ID, usage=usage))
 
     async def _error(self, code: int, message: str):
         yield common.GenerateResponse(error=common.Error(code=code, message=message))

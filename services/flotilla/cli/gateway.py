@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from flotilla.gateway.settings import DEFAULT_MAX_BODY_BYTES
+from flotilla.gateway.settings import DEFAULT_MAX_BODY_BYTES, TOOL_CALL_PARSERS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -34,6 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="usage ledger as a JSON-lines file when there is no --redis-url (default: off)")
     run.add_argument("--stream-resume-grace-s", type=float, default=30.0,
                      help="how long a resumable stream (x-flotilla-resumable) waits for its client to reconnect")
+    run.add_argument("--tool-call-parser", default="auto",
+                     choices=TOOL_CALL_PARSERS,
+                     help="how models write tool calls (default auto: from each model's chat template)")
     run.set_defaults(func=_run)
 
     key = subparsers.add_parser("gateway-key", help="generate an API key and add its digest to a keys file")
@@ -57,6 +60,7 @@ def _run(args: argparse.Namespace) -> int:
                                model_refresh_s=args.model_refresh_s, redis_url=args.redis_url,
                                redis_fail_mode=args.redis_fail_mode, usage_log=args.usage_log,
                                stream_resume_grace_s=args.stream_resume_grace_s,
+                               tool_call_parser=args.tool_call_parser,
                                admission=AdmissionPolicy(args.wait_budget_paid_s, args.wait_budget_free_s,
                                                          args.wait_budget_batch_s))
     from flotilla.observability.setup import setup_observability

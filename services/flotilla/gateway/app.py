@@ -58,6 +58,7 @@ def create_app(settings: GatewaySettings, backend: RouterBackend, key_store: Key
 
 def _add_routes(app: FastAPI) -> None:
     app.add_api_route("/v1/messages", anthropic_api.create_message, methods=["POST"])
+    app.add_api_route("/v1/messages/count_tokens", anthropic_api.count_tokens, methods=["POST"])
     app.add_api_route("/v1/chat/completions", openai_api.create_chat_completion, methods=["POST"])
     app.add_api_route("/v1/completions", openai_api.create_completion, methods=["POST"])
     app.add_api_route("/v1/models", models_api.list_models, methods=["GET"])

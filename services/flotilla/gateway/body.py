@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from typing import TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pydantic
 from starlette.requests import ClientDisconnect, Request
@@ -35,14 +36,17 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def parse_body(schema: type[ModelT], body: bytes) -> ModelT:
-    """Malformed JSON and schema violations are both 400; `param` names the first offending field."""
+def parse_body(schema: type[ModelT], body: bytes, check: Callable[[dict[str, Any]], None] | None = None) -> ModelT:
+    """Malformed JSON and schema violations are both 400; `param` names the first offending field. `check`
+    (field_support.py) refuses unknown and unsupported fields before the schema sees them."""
     try:
         document = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise GatewayError(ErrorKind.INVALID_REQUEST, f"the request body is not valid JSON: {err}") from err
     if not isinstance(document, dict):
         raise GatewayError(ErrorKind.INVALID_REQUEST, "the request body must be a JSON object")
+    if check is not None:
+        check(document)
     try:
         return schema.model_validate(document)
     except pydantic.ValidationError as err:
@@ -51,6 +55,11 @@ def parse_body(schema: type[ModelT], body: bytes) -> ModelT:
 
 def _schema_error(err: pydantic.ValidationError) -> GatewayError:
     errors = err.errors(include_url=False)
+    unknown = next((e for e in errors if e["type"] == "extra_forbidden"), None)
+    if unknown is not None:  # a field inside an object that nothing reads: refused, never dropped
+        path = _loc(unknown["loc"])
+        return GatewayError(ErrorKind.INVALID_REQUEST, f"{path} is not supported: not a field of this object",
+                            param=path, code="unsupported_field")
     described = [f"{_loc(e['loc']) or 'body'}: {e['msg']}" for e in errors[:MAX_REPORTED_ERRORS]]
     return GatewayError(ErrorKind.INVALID_REQUEST, "; ".join(described), param=_loc(errors[0]["loc"]) or None)
 

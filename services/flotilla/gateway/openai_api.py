@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions and POST /v1/completions: the OpenAI-compatible endpoints (text, n=1)."""
+"""POST /v1/chat/completions and POST /v1/completions: the OpenAI-compatible endpoints (text, function tools on
+chat, n=1)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from flotilla.engine.request import FinishReason
-from flotilla.gateway import openai_logprobs
+from flotilla.gateway import field_support, openai_logprobs
 from flotilla.gateway.admission import admit
 from flotilla.gateway.auth import Principal, authenticate
 from flotilla.gateway.body import parse_body, read_body
@@ -21,8 +22,11 @@ from flotilla.gateway.errors import ErrorKind, GatewayError
 from flotilla.gateway.generation import (Job, check_context_window, checked_sampling, collect, router_events,
                                          tokenize, until_disconnected)
 from flotilla.gateway.model_registry import ServedModel, TokenizerLike
+from flotilla.gateway.openai_prompt import template_messages, template_tools
 from flotilla.gateway.openai_schema import ChatCompletionRequest, CommonParams, CompletionRequest
+from flotilla.gateway.openai_tool_calls import ToolCalls
 from flotilla.gateway.sse import Events, SSEResponse, first_event, sse_data, sse_json
+from flotilla.gateway.tool_calling import tool_setup
 from flotilla.rpc.stream_events import Chunk, Finished, Usage
 
 # (text, finish_reason, logprobs) -> one choice
@@ -56,20 +60,26 @@ class Plan:
     num_logprobs: int | None  # None: no logprobs
     params: CommonParams
     endpoint: Endpoint
+    tool_calls: ToolCalls | None = None  # chat with tools: the answer is read for tool calls
 
 
 @dialect_endpoint(Dialect.OPENAI)
 async def create_chat_completion(request: Request) -> Response:
     ctx = gateway_context(request)
     principal = await authenticate(request.headers, ctx.gatekeeper)
-    params = parse_body(ChatCompletionRequest, await read_body(request, ctx.settings.max_body_bytes))
+    params = parse_body(ChatCompletionRequest, await read_body(request, ctx.settings.max_body_bytes),
+                        field_support.check_chat)
     max_tokens = params.max_completion_tokens if params.max_completion_tokens is not None else params.max_tokens
     _require_max_tokens(max_tokens)
     requested, model = await _resolve(ctx, params)
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in params.messages]
-    prompt_ids = await tokenize(model.tokenizer.encode_chat, messages)
+    tools = template_tools(params)
+    setup = tool_setup(model.tokenizer, tools or [], ctx.settings.tool_call_parser)
+    if setup is not None and params.logprobs:
+        raise field_support.unsupported("logprobs", "logprobs together with tools are not built")
+    prompt_ids = await tokenize(model.tokenizer.encode_chat, template_messages(params), tools=tools)
     num_logprobs = (params.top_logprobs or 0) if params.logprobs else None
-    plan = Plan(requested, model, principal, prompt_ids, max_tokens, num_logprobs, params, CHAT)
+    tool_calls = ToolCalls(setup, first_only=params.parallel_tool_calls is False) if setup is not None else None
+    plan = Plan(requested, model, principal, prompt_ids, max_tokens, num_logprobs, params, CHAT, tool_calls)
     return await _generate(request, ctx, plan)
 
 
@@ -77,10 +87,9 @@ async def create_chat_completion(request: Request) -> Response:
 async def create_completion(request: Request) -> Response:
     ctx = gateway_context(request)
     principal = await authenticate(request.headers, ctx.gatekeeper)
-    params = parse_body(CompletionRequest, await read_body(request, ctx.settings.max_body_bytes))
+    params = parse_body(CompletionRequest, await read_body(request, ctx.settings.max_body_bytes),
+                        field_support.check_completion)
     _require_max_tokens(params.max_tokens)
-    if params.echo:
-        raise GatewayError(ErrorKind.INVALID_REQUEST, "echo is not supported", param="echo")
     requested, model = await _resolve(ctx, params)
     prompt_ids = await _completion_prompt(model.tokenizer, params.prompt)
     plan = Plan(requested, model, principal, prompt_ids, params.max_tokens, params.logprobs, params, TEXT)
@@ -95,12 +104,7 @@ def _require_max_tokens(max_tokens: int | None) -> None:
 
 
 async def _resolve(ctx: GatewayContext, params: CommonParams) -> tuple[str, ServedModel]:
-    """Policy checks that need no tokenizer, then the model (404 when unknown)."""
-    if params.n != 1:
-        raise GatewayError(ErrorKind.INVALID_REQUEST, f"only n=1 is supported, got n={params.n}", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(params, name):
-            raise GatewayError(ErrorKind.INVALID_REQUEST, f"{name} is not supported", param=name)
+    """The model (404 when unknown); what a field may be was checked before (field_support.py)."""
     requested = params.model or ctx.settings.default_model
     if not requested:
         raise GatewayError(ErrorKind.INVALID_REQUEST, "model: Field required", param="model")
@@ -140,6 +144,9 @@ async def _generate(request: Request, ctx: GatewayContext, plan: Plan) -> Respon
         return SSEResponse(_chunks(plan, head, first, events, ctx))
     async with aclosing(events):
         generation = await until_disconnected(request, collect(events))
+    if plan.tool_calls is not None:
+        choice = plan.tool_calls.choice(generation.chunks, generation.finished)
+        return JSONResponse(head.body(plan.endpoint.object_name, [choice], usage_body(generation.finished.usage)))
     logprobs = (plan.endpoint.logprobs(plan.model.tokenizer, generation.chunks, 0)
                 if plan.num_logprobs is not None else None)
     choice = plan.endpoint.choice(generation.text, finish_reason(generation.finished), logprobs)
@@ -170,9 +177,19 @@ async def _chunks(plan: Plan, head: _Head, first: Chunk | Finished, events: Even
 
     ctx.metrics.streams_in_flight.inc()
     try:
-        if endpoint.opening_choice is not None:
+        if plan.tool_calls is not None:
+            yield chunk(TOOLS_OPENING_CHOICE)  # no content yet: an answer of tool calls only has none
+        elif endpoint.opening_choice is not None:
             yield chunk(endpoint.opening_choice)
         event, text_offset = first, 0
+        if plan.tool_calls is not None:
+            stream = plan.tool_calls.stream()
+            while type(event) is Chunk:
+                for choice in stream.feed(event):
+                    yield chunk(choice)
+                event = await anext(events)
+            for choice in stream.finish(event):
+                yield chunk(choice)
         while type(event) is Chunk:
             if event.text or event.token_ids:
                 logprobs = (endpoint.logprobs(plan.model.tokenizer, [event], text_offset)
@@ -180,7 +197,8 @@ async def _chunks(plan: Plan, head: _Head, first: Chunk | Finished, events: Even
                 yield chunk(endpoint.chunk_choice(event.text, None, logprobs))
                 text_offset += len(event.text)
             event = await anext(events)
-        yield chunk(endpoint.chunk_choice("", finish_reason(event), None))
+        if plan.tool_calls is None:
+            yield chunk(endpoint.chunk_choice("", finish_reason(event), None))
         if include_usage:
             yield sse_json(head.body(endpoint.chunk_object_name, [], usage_body(event.usage)))
         yield sse_data("[DONE]")
@@ -222,5 +240,6 @@ def _or(value, default):
 CHAT = Endpoint("chat.completion", "chat.completion.chunk", "chatcmpl-", _chat_choice, _chat_chunk_choice,
                 {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None},
                 openai_logprobs.chat_logprobs)
+TOOLS_OPENING_CHOICE = {"index": 0, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": None}
 TEXT = Endpoint("text_completion", "text_completion", "cmpl-", _text_choice, _text_choice, None,
                 openai_logprobs.completion_logprobs)

@@ -1,8 +1,9 @@
-"""Request bodies of POST /v1/chat/completions and POST /v1/completions (OpenAI-compatible, text only)."""
+"""Request bodies of POST /v1/chat/completions and POST /v1/completions (OpenAI-compatible: text, function tools).
+What each field does is in field_support.py."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -11,28 +12,60 @@ from flotilla.gateway.structured_params import GuidedParams
 
 
 class TextPart(RequestModel):
-    type: Literal["text"]
-    text: str
+    type: Literal["text", "refusal"]
+    text: str | None = None
+    refusal: str | None = None
+    prompt_cache_breakpoint: Any = None  # the prefix cache is automatic
+
+    @property
+    def value(self) -> str:
+        return (self.text if self.type == "text" else self.refusal) or ""
+
+
+class FunctionCall(RequestModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(RequestModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
 
 
 class ChatMessage(RequestModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    refusal: str | None = None  # assistant: rendered as its text when there is no content
 
     @property
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        return "".join(part.text for part in self.content)
+            return self.content or self.refusal or ""
+        return "".join(part.value for part in self.content)
 
 
 class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
+class FunctionDefinition(RequestModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # true is refused (field_support.py)
+
+
+class FunctionTool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class CommonParams(GuidedParams):
-    """Fields shared by both endpoints (structured-output fields from structured_params.py)."""
+    """Fields shared by both endpoints (the structured-output ones from structured_params.py)."""
 
     model: str | None = None
     max_tokens: int | None = None  # our policy: required (max_completion_tokens counts as well)
@@ -47,6 +80,7 @@ class CommonParams(GuidedParams):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
     user: str | None = None
 
     @property
@@ -65,9 +99,23 @@ class ChatCompletionRequest(CommonParams):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["auto", "none"] | None = None  # others are refused (field_support.py)
+    parallel_tool_calls: bool | None = None
+    modalities: list[Literal["text"]] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    @property
+    def active_tools(self) -> list[FunctionTool]:
+        """The tools the model is shown: none with tool_choice none."""
+        return [] if self.tool_choice == "none" else (self.tools or [])
 
 
 class CompletionRequest(CommonParams):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
+    best_of: int | None = None

@@ -1,5 +1,6 @@
-"""Base for request bodies: strict types (no "5" for 5, no true for 1), unknown fields ignored as the real
-APIs do, so that newer clients sending newer fields still work."""
+"""Base for request bodies: strict types (no "5" for 5, no true for 1) and no unknown fields. Top-level fields are
+checked against field_support.py's tables before validation (an unsupported one is refused naming why); a field
+unknown inside an object is refused by validation (body.py says it is not supported)."""
 
 from __future__ import annotations
 
@@ -7,4 +8,4 @@ from pydantic import BaseModel, ConfigDict
 
 
 class RequestModel(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)

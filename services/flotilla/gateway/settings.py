@@ -8,6 +8,7 @@ from pathlib import Path
 from flotilla.tenancy.admission_policy import AdmissionPolicy
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")  # tool_parsers.SYNTAXES, and auto
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class GatewaySettings:
     usage_log: Path | None = None
     idempotency_ttl_s: float = 24 * 3600.0
     stream_resume_grace_s: float = 30.0
+    tool_call_parser: str = "auto"  # how models write tool calls: "auto" (from each chat template) or a syntax name
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
@@ -42,5 +44,7 @@ class GatewaySettings:
             raise ValueError("model_refresh_s must be > 0 and min_refresh_gap_s >= 0")
         if self.redis_fail_mode not in ("open", "closed"):
             raise ValueError(f"redis_fail_mode must be 'open' or 'closed', got {self.redis_fail_mode!r}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")

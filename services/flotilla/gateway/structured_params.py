@@ -3,7 +3,7 @@
 OpenAI: `response_format` (`text`, `json_object`, `json_schema` as `chat.completions.parse` sends it) and
 vLLM's extensions (`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, and the newer
 `structured_outputs` object with the same four). Anthropic: `output_config.format` (`json_schema`, what
-`messages.parse(output_format=...)` sends). A request names at most one of these; the spec is compiled here
+`messages.parse(output_format=...)` sends; `output_format` is its beta name). A request names at most one of these; the spec is compiled here
 (cached) so that a bad schema is a 400 naming the request's own field before anything is queued.
 """
 
@@ -71,14 +71,11 @@ class OutputFormat(RequestModel):
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(RequestModel):
-    format: OutputFormat | None = None
-
-
-def anthropic_structured_output(config: OutputConfig | None) -> StructuredOutput | None:
-    if config is None or config.format is None:
-        return None
-    return _one([("output_config.format", StructuredOutput("json", json.dumps(config.format.schema_)))])
+def anthropic_structured_output(output_config_format: OutputFormat | None,
+                                output_format: OutputFormat | None) -> StructuredOutput | None:
+    """`output_config.format`, or its beta name `output_format`."""
+    named = [("output_config.format", output_config_format), ("output_format", output_format)]
+    return _one([(name, StructuredOutput("json", json.dumps(value.schema_))) for name, value in named if value])
 
 
 def _response_format(response_format: ResponseFormat) -> StructuredOutput:

@@ -86,3 +86,23 @@ def test_the_examples_flotilla_up_prints_get_the_answer(trained_fleet):
     if shutil.which("curl"):
         answer = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=60, check=True).stdout
         assert '"text":"The capital of France is Paris."' in answer
+
+
+def test_the_default_model_refuses_tools_and_counts_tokens_exactly(trained_fleet, trained_reference):
+    """SmolLM2's ChatML template renders no tools: both dialects say so (400 naming tools) instead of answering
+    as if the tools were not there. count_tokens equals transformers' prompt length for each conversation."""
+    oai = openai.OpenAI(base_url=f"{trained_fleet.url}/v1", api_key=trained_fleet.api_key, max_retries=0)
+    claude = anthropic.Anthropic(base_url=trained_fleet.url, api_key=trained_fleet.api_key, max_retries=0)
+    tool = {"name": "get_weather", "input_schema": {"type": "object", "properties": {}}}
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    with pytest.raises(openai.BadRequestError, match="tools is not supported by this model"):
+        oai.chat.completions.create(model=trained_fleet.model, messages=question, max_tokens=8, tools=[
+            {"type": "function", "function": {"name": tool["name"], "parameters": tool["input_schema"]}}])
+    with pytest.raises(anthropic.BadRequestError, match="tools is not supported by this model"):
+        claude.messages.create(model=trained_fleet.model, messages=question, max_tokens=8, tools=[tool])
+    for conversation, prompt in zip(trained_reference.conversations, trained_reference.prompts):
+        system = [m["content"] for m in conversation if m["role"] == "system"]
+        messages = [m for m in conversation if m["role"] != "system"]
+        kwargs = {"system": system[0]} if system else {}
+        count = claude.messages.count_tokens(model=trained_fleet.model, messages=messages, **kwargs)
+        assert count.input_tokens == len(prompt), conversation
