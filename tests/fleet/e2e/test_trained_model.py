@@ -13,6 +13,7 @@ import textwrap
 
 import anthropic
 import openai
+import pytest
 
 from flotilla.cli.up import usage_text
 from flotilla.models.catalog import DEFAULT_MODEL
