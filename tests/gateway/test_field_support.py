@@ -120,8 +120,6 @@ def test_readme_holds_the_generated_table():
 
 @pytest.mark.parametrize("document,field", [
     ({"n": 2}, "n"), ({"presence_penalty": 0.5}, "presence_penalty"), ({"audio": {"voice": "x"}}, "audio"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     ({"logit_bias": {"5": 1}}, "logit_bias"), ({"min_p": 0.1}, "min_p"),
 ])
 def test_chat_refusals_name_the_field(document, field):
@@ -132,7 +130,8 @@ def test_chat_refusals_name_the_field(document, field):
 
 @pytest.mark.parametrize("document", [
     {"n": 1}, {"response_format": {"type": "text"}}, {"response_format": {"type": "json_object"}},
-    {"guided_regex": "a+"}, {"tool_choice": "auto"}, {"tool_choice": "none"},
+    {"guided_regex": "a+"}, {"tool_choice": "auto"}, {"tool_choice": "none"}, {"tool_choice": "required"},
+    {"tool_choice": {"type": "function", "function": {"name": "f"}}},
     {"top_k": 5, "ignore_eos": True}, {"audio": None}, {"store": False}, {"presence_penalty": 0},
 ])
 def test_chat_values_that_work_pass(document):
@@ -141,7 +140,8 @@ def test_chat_values_that_work_pass(document):
 
 @pytest.mark.parametrize("document,field", [
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
-    ({"tool_choice": {"type": "any"}}, "tool_choice"), ({"tool_choice": {"type": "tool", "name": "f"}}, "tool_choice"),
+    ({"tool_choice": {"type": "tool"}}, "tool_choice"),
+    ({"tool_choice": {"type": "auto", "disable_parallel_tool_use": True}}, "tool_choice"),
     ({"output_config": {"effort": "high"}}, "output_config"), ({"mcp_servers": []}, "mcp_servers"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content.0.type"),
 ])

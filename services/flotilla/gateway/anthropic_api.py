@@ -24,6 +24,7 @@ from flotilla.gateway.model_registry import ServedModel
 from flotilla.gateway.sse import SSEResponse, first_event
 from flotilla.gateway.structured_params import anthropic_structured_output
 from flotilla.gateway.tool_calling import ToolSetup, tool_setup
+from flotilla.gateway.tool_grammar import decoding_constraint
 
 
 @dialect_endpoint(Dialect.ANTHROPIC)
@@ -33,13 +34,14 @@ async def create_message(request: Request) -> Response:
     params = parse_body(MessagesRequest, await read_body(request, ctx.settings.max_body_bytes),
                         field_support.check_messages)
     requested, model = await _resolve(ctx, params)
+    tools = _tool_setup(ctx, model, params)
+    requested_output = anthropic_structured_output(params.output_config.format if params.output_config else None,
+                                                   params.output_format)
+    constraint = decoding_constraint(tools, template_tools(params), params.forced_tool, params.single_tool_call,
+                                     model.tokenizer, requested_output)
     sampling = checked_sampling(max_tokens=params.max_tokens, temperature=_or(params.temperature, 1.0),
                                 top_p=_or(params.top_p, 1.0), top_k=_or(params.top_k, 0),
-                                stop=tuple(params.stop_sequences or ()),
-                                structured_output=anthropic_structured_output(
-                                    params.output_config.format if params.output_config else None,
-                                    params.output_format))
-    tools = _tool_setup(ctx, model, params)
+                                stop=tuple(params.stop_sequences or ()), structured_output=constraint)
     prompt_ids = await tokenize(encode_prompt, model.tokenizer, params)
     check_context_window(len(prompt_ids), params.max_tokens, model.max_model_len)
     admitted = await admit(request, ctx.gatekeeper, ctx.settings.admission, Dialect.ANTHROPIC, principal,

@@ -67,7 +67,7 @@ class Tool(RequestModel):
 
 
 class ToolChoice(RequestModel):
-    type: Literal["auto", "none", "any", "tool"]  # any and tool are refused (field_support.py)
+    type: Literal["auto", "none", "any", "tool"]  # any / tool: a call is forced (tool_grammar.py)
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
@@ -94,6 +94,18 @@ class PromptParams(RequestModel):
     @property
     def system_text(self) -> str | None:
         return None if self.system is None else _text(self.system)
+
+    @property
+    def forced_tool(self) -> tuple[bool, str | None]:
+        """(a call is required, the one tool it must call or None for any)."""
+        choice = self.tool_choice
+        if choice is None or choice.type in ("auto", "none"):
+            return False, None
+        return True, choice.name if choice.type == "tool" else None
+
+    @property
+    def single_tool_call(self) -> bool:
+        return self.tool_choice is not None and bool(self.tool_choice.disable_parallel_tool_use)
 
     @property
     def active_tools(self) -> list[Tool]:

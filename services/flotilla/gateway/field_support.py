@@ -14,7 +14,8 @@ from typing import Any, NamedTuple
 
 from flotilla.gateway.errors import ErrorKind, GatewayError
 
-NEEDS_GRAMMAR = "needs grammar-constrained decoding, which is not built yet"
+NEEDS_GRAMMAR = ("strict arguments while the model may also answer in text are not built; tool_choice required / "
+                 "any / a named tool makes every call's arguments validate against its schema")
 TEXT_ONLY = "the served models take text only"
 
 
@@ -42,17 +43,13 @@ def _structured(note: str) -> Status:
     return Supported(f"structured output: {note}")
 
 
-def _openai_tool_choice(value: Any) -> str | None:
-    if value in ("auto", "none"):
-        return None
-    return f"{value!r} {NEEDS_GRAMMAR}" if value == "required" else f"a named tool {NEEDS_GRAMMAR}"
-
-
 def _anthropic_tool_choice(value: Any) -> str | None:
     kind = value.get("type") if isinstance(value, Mapping) else None
-    if kind not in ("auto", "none"):
-        return f"type {kind!r} {NEEDS_GRAMMAR}"
-    return "disable_parallel_tool_use is not supported" if value.get("disable_parallel_tool_use") else None
+    if kind == "tool" and not value.get("name"):
+        return "type 'tool' needs the tool's name"
+    if value.get("disable_parallel_tool_use") and kind not in ("any", "tool"):
+        return "disable_parallel_tool_use is supported with type any or tool (one forced call)"
+    return None
 
 
 def _thinking(value: Any) -> str | None:
@@ -108,7 +105,7 @@ CHAT_FIELDS: dict[str, Status] = {
     "logprobs": Supported(),
     "top_logprobs": Supported("0-20"),
     "tools": Supported("function tools, rendered by the model's chat template"),
-    "tool_choice": Partly("auto, none", _openai_tool_choice),
+    "tool_choice": Supported("auto, none, required, a named function (the last two force calls with a grammar)"),
     "parallel_tool_calls": Supported("true (default) or false: false keeps the first call"),
     "response_format": _structured("text, json_object, json_schema"),
     "functions": Unsupported("deprecated by OpenAI; use tools"),
@@ -151,7 +148,8 @@ MESSAGES_FIELDS: dict[str, Status] = {
     "top_k": Supported("(Anthropic API field, as temperature)"),
     "metadata": Supported("user_id: " + NO_EFFECT),
     "tools": Supported("custom tools, rendered by the model's chat template; server tools: see below"),
-    "tool_choice": Partly("auto, none", _anthropic_tool_choice),
+    "tool_choice": Partly("auto, none, any, tool (any / tool force calls with a grammar; "
+                          "disable_parallel_tool_use with them: one call)", _anthropic_tool_choice),
     "thinking": Partly('{"type": "disabled"}', _thinking),
     "output_config": Partly("absent or null effort and format", _output_config),
     "output_format": _structured("beta name of output_config.format"),
@@ -193,7 +191,7 @@ OPENAI_PART_TYPES: dict[str, Status] = {
     "image_url": Unsupported(TEXT_ONLY), "input_audio": Unsupported(TEXT_ONLY), "file": Unsupported(TEXT_ONLY),
 }
 OPENAI_TOOL_TYPES: dict[str, Status] = {
-    "function": Supported("strict: false only (strict needs grammar-constrained decoding)"),
+    "function": Supported("strict: false only (forced calls validate their arguments anyway)"),
     "custom": Unsupported("custom (free-form) tools need grammar-constrained decoding"),
 }
 ANTHROPIC_ROLES: dict[str, Status] = {

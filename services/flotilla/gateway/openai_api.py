@@ -24,9 +24,11 @@ from flotilla.gateway.generation import (Job, check_context_window, checked_samp
 from flotilla.gateway.model_registry import ServedModel, TokenizerLike
 from flotilla.gateway.openai_prompt import template_messages, template_tools
 from flotilla.gateway.openai_schema import ChatCompletionRequest, CommonParams, CompletionRequest
+from flotilla.engine.structured_output import StructuredOutput
 from flotilla.gateway.openai_tool_calls import ToolCalls
 from flotilla.gateway.sse import Events, SSEResponse, first_event, sse_data, sse_json
 from flotilla.gateway.tool_calling import tool_setup
+from flotilla.gateway.tool_grammar import decoding_constraint
 from flotilla.rpc.stream_events import Chunk, Finished, Usage
 
 # (text, finish_reason, logprobs) -> one choice
@@ -61,6 +63,7 @@ class Plan:
     params: CommonParams
     endpoint: Endpoint
     tool_calls: ToolCalls | None = None  # chat with tools: the answer is read for tool calls
+    constraint: StructuredOutput | None = None  # structured output or a forced tool call's grammar
 
 
 @dialect_endpoint(Dialect.OPENAI)
@@ -78,8 +81,12 @@ async def create_chat_completion(request: Request) -> Response:
         raise field_support.unsupported("logprobs", "logprobs together with tools are not built")
     prompt_ids = await tokenize(model.tokenizer.encode_chat, template_messages(params), tools=tools)
     num_logprobs = (params.top_logprobs or 0) if params.logprobs else None
-    tool_calls = ToolCalls(setup, first_only=params.parallel_tool_calls is False) if setup is not None else None
-    plan = Plan(requested, model, principal, prompt_ids, max_tokens, num_logprobs, params, CHAT, tool_calls)
+    single = params.parallel_tool_calls is False
+    tool_calls = ToolCalls(setup, first_only=single) if setup is not None else None
+    constraint = decoding_constraint(setup, tools, params.forced_tool, single, model.tokenizer,
+                                     params.structured_output())
+    plan = Plan(requested, model, principal, prompt_ids, max_tokens, num_logprobs, params, CHAT, tool_calls,
+                constraint)
     return await _generate(request, ctx, plan)
 
 
@@ -92,7 +99,8 @@ async def create_completion(request: Request) -> Response:
     _require_max_tokens(params.max_tokens)
     requested, model = await _resolve(ctx, params)
     prompt_ids = await _completion_prompt(model.tokenizer, params.prompt)
-    plan = Plan(requested, model, principal, prompt_ids, params.max_tokens, params.logprobs, params, TEXT)
+    plan = Plan(requested, model, principal, prompt_ids, params.max_tokens, params.logprobs, params, TEXT,
+                constraint=params.structured_output())
     return await _generate(request, ctx, plan)
 
 
@@ -131,7 +139,7 @@ async def _generate(request: Request, ctx: GatewayContext, plan: Plan) -> Respon
     sampling = checked_sampling(max_tokens=plan.max_tokens, temperature=_or(params.temperature, 1.0),
                                 top_p=_or(params.top_p, 1.0), top_k=_or(params.top_k, 0), seed=params.seed,
                                 stop=params.stop_list, logprobs=plan.num_logprobs, ignore_eos=params.ignore_eos,
-                                structured_output=params.structured_output())
+                                structured_output=plan.constraint)
     check_context_window(len(plan.prompt_ids), sampling.max_tokens, plan.model.max_model_len)
     admitted = await admit(request, ctx.gatekeeper, ctx.settings.admission, Dialect.OPENAI, plan.principal,
                            request_id(request), len(plan.prompt_ids), sampling.max_tokens)

@@ -64,6 +64,15 @@ class FunctionTool(RequestModel):
     function: FunctionDefinition
 
 
+class NamedFunction(RequestModel):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class CommonParams(GuidedParams):
     """Fields shared by both endpoints (the structured-output ones from structured_params.py)."""
 
@@ -100,13 +109,20 @@ class ChatCompletionRequest(CommonParams):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[FunctionTool] | None = None
-    tool_choice: Literal["auto", "none"] | None = None  # others are refused (field_support.py)
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     modalities: list[Literal["text"]] | None = None
     store: bool | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+
+    @property
+    def forced_tool(self) -> tuple[bool, str | None]:
+        """(a call is required, the one tool it must call or None for any)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return True, self.tool_choice.function.name
+        return self.tool_choice == "required", None
 
     @property
     def active_tools(self) -> list[FunctionTool]:
