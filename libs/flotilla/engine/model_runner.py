@@ -64,6 +64,7 @@ class ModelRunner:
             self.block_size,
             self.device,
             use_decode_kernel=self.use_decode_kernel,
+            sliding_window=self.model.config.sliding_window,
         )
         hook = self.kv_hook
         if hook is not None:

@@ -36,7 +36,7 @@ KINDS = {
     "linear_rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
                     {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}}),
     "qwen2_tied": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"tie_word_embeddings": True}),
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 4096}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 8}),
     # head_dim 24 != hidden / heads: the q/k norms and projections must follow head_dim
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 24}),
     # partial rotary: 12 of 16 dims rotate; LongRoPE: short factors up to 32 positions, long ones past them
@@ -51,6 +51,9 @@ KINDS = {
         "head_dim": 24, "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
         "norm_topk_prob": True, "mlp_only_layers": [1],
     }),
+    # Qwen2 with its window on layer 1 only (max_window_layers); sequences of the tests pass the window of 8
+    "qwen2_window": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+                     {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
 }
 
 
@@ -126,7 +129,8 @@ class PagedDriver:
 
     def run(self, chunks: list[SeqChunk], token_lists: list[list[int]]) -> torch.Tensor:
         cpu = torch.device("cpu")
-        meta = AttentionMetadata.build(chunks, self.block_size, cpu, use_decode_kernel=self.use_decode_kernel)
+        meta = AttentionMetadata.build(chunks, self.block_size, cpu, use_decode_kernel=self.use_decode_kernel,
+                                       sliding_window=self.model.config.sliding_window)
         input_ids = torch.tensor([t for tokens in token_lists for t in tokens])
         with torch.inference_mode():
             hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)
@@ -135,7 +139,8 @@ class PagedDriver:
 
     def all_logits(self, seq_id: str, tokens: list[int]) -> torch.Tensor:
         """One prefill chunk of the whole sequence, logits of every position."""
-        meta = AttentionMetadata.build([self.chunk(seq_id, 0, len(tokens))], self.block_size, torch.device("cpu"))
+        meta = AttentionMetadata.build([self.chunk(seq_id, 0, len(tokens))], self.block_size, torch.device("cpu"),
+                                       sliding_window=self.model.config.sliding_window)
         with torch.inference_mode():
             hidden = self.model(torch.tensor(tokens), meta.positions, meta, self.kv_caches)
             return self.model.compute_logits(hidden)

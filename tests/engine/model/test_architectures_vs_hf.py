@@ -1,6 +1,9 @@
-"""The layouts beyond Llama/Qwen2/Mistral against transformers, each on a random checkpoint of its own config:
+"""The layouts beyond plain Llama/Qwen2 against transformers, each on a random checkpoint of its own config:
 prefill logits, chunked prefill then decode through the paged KV cache (the SDPA path and the CPU decode kernel
-the engine uses), greedy decode, and the engine itself (scheduler, ModelRunner) against `generate`."""
+the engine uses), greedy decode, and the engine itself (scheduler, ModelRunner) against `generate`.
+
+Sliding windows are 8 keys and the sequences run to 40 or more, so each window really hides keys (a test below
+checks that the output changes without the mask)."""
 
 import json
 
@@ -9,14 +12,14 @@ import torch
 
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.engine import LLMEngine
-from flotilla.engine.model import decode_kernel
+from flotilla.engine.model import decode_kernel, load_model
 from flotilla.engine.sampling_params import SamplingParams
 from flotilla.models.toy_tokenizer import toy_tokenizer_json
 
-from .helpers import VOCAB, PagedDriver, hf_chunked_logits, random_tokens
+from .helpers import VOCAB, PagedDriver, hf_chunked_logits, hf_logits, random_tokens
 
 ATOL = 1e-4
-KINDS = ["qwen3", "phi3", "phi3_longrope", "qwen3_moe"]
+KINDS = ["qwen3", "phi3", "phi3_longrope", "qwen3_moe", "mistral", "qwen2_window"]
 NO_KERNEL = pytest.mark.skipif(decode_kernel.load() is None, reason="no C compiler")
 DECODE_PATHS = [False, pytest.param(True, marks=NO_KERNEL)]
 
@@ -80,6 +83,20 @@ def test_engine_greedy_equals_hf_generate(checkpoint_factory, kind):
     results = engine.generate(prompts, params)
     for prompt, result in zip(prompts, results):
         assert prompt + result.token_ids == hf_greedy(ckpt.hf, prompt, 12)
+
+
+@pytest.mark.parametrize(("kind", "removed"), [("mistral", "window"), ("qwen2_window", "window")])
+def test_the_tests_depend_on_the_mask(checkpoint_factory, kind, removed):
+    """Guards the test configs: without the sliding-window mask the output is far from HF's."""
+    ckpt = checkpoint_factory(kind)
+    model = load_model(ckpt.directory, torch.float32, torch.device("cpu"))
+    attention = [layer.self_attn for layer in model.model.layers if getattr(layer.self_attn, removed) is not None]
+    assert attention
+    for module in attention:
+        setattr(module, removed, None)
+    tokens = random_tokens(37, seed=1)
+    difference = (PagedDriver(model).all_logits("a", tokens) - hf_logits(ckpt.hf, tokens)).abs().max()
+    assert difference > 100 * ATOL
 
 
 def _add_tokenizer(directory) -> None:

@@ -80,10 +80,21 @@ def test_qwen3_moe_sparse_layers():
         parse(architectures=["Qwen3MoeForCausalLM"], num_local_experts=4, num_experts_per_tok=5)
 
 
-def test_mistral_sliding_window_caps_max_model_len():
+def test_mistral_sliding_window_masks_every_layer_without_capping_the_context():
     config = parse(architectures=["MistralForCausalLM"], sliding_window=1024)
-    assert config.max_model_len == 1024 and config.sliding_window == 1024
-    assert parse(architectures=["MistralForCausalLM"], sliding_window=None).max_model_len == 4096
+    assert config.max_model_len == 4096 and config.sliding_window == 1024 and config.sliding_layers == (0, 1, 2)
+    config = parse(architectures=["MistralForCausalLM"], sliding_window=None)
+    assert config.sliding_window is None and config.sliding_layers == ()
+
+
+def test_qwen2_window_applies_from_max_window_layers_or_layer_types():
+    config = parse(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=64, max_window_layers=1)
+    assert config.sliding_window == 64 and config.sliding_layers == (1, 2) and config.max_model_len == 4096
+    types = ["sliding_attention", "full_attention", "sliding_attention"]
+    assert parse(architectures=["Qwen3ForCausalLM"], use_sliding_window=True, sliding_window=64,
+                 layer_types=types).sliding_layers == (0, 2)
+    assert parse(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=64,
+                 max_window_layers=3).sliding_window is None  # no layer slides
 
 
 def test_transformers4_rope_scaling_layout():

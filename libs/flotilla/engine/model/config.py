@@ -42,9 +42,9 @@ class MoEConfig:
 class ModelConfig:
     """Everything the engine needs to know about a Llama-family decoder.
 
-    Sliding-window attention (Mistral, Qwen2 with use_sliding_window) is not masked: instead
-    `max_model_len` is capped to the window, so no query ever sees a key the window would hide and
-    the output is exactly that of the windowed model. `sliding_window` keeps the original value.
+    Sliding-window attention is masked per layer: a query at position p of a layer in `sliding_layers` sees
+    the keys at positions p - sliding_window + 1 .. p (Mistral, Phi-3 and Qwen3-MoE: every layer when the
+    config has a window; Qwen2/3: the layers from max_window_layers on).
     """
 
     architecture: str
@@ -68,7 +68,8 @@ class ModelConfig:
     torch_dtype: torch.dtype = torch.float32  # the checkpoint's dtype; float32 when config.json omits it
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()  # generation_config.json's list when present, else config.json's
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # None exactly when no layer slides
+    sliding_layers: tuple[int, ...] = ()  # the layers whose attention sees only the last sliding_window keys
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     partial_rotary_factor: float = 1.0  # RoPE rotates the first rotary_dim dims of each head (Phi-3/4)
     moe: MoEConfig | None = None
@@ -106,8 +107,7 @@ class ModelConfig:
         head_dim = int(raw.get("head_dim") or hidden_size // num_heads)
         _check_supported(raw, num_heads, num_kv_heads)
         rope_theta, rope_scaling, partial_rotary_factor = _rope(raw, architecture)
-        max_positions = int(raw["max_position_embeddings"])
-        window = _sliding_window(raw, architecture)
+        window, sliding_layers = _sliding_layers(raw, architecture, int(raw["num_hidden_layers"]))
         is_qwen2 = architecture == "Qwen2ForCausalLM"
         attention_bias = True if is_qwen2 else bool(raw.get("attention_bias", False))
         return cls(
@@ -121,7 +121,7 @@ class ModelConfig:
             intermediate_size=int(raw["intermediate_size"]),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
-            max_model_len=min(max_positions, window) if window else max_positions,
+            max_model_len=int(raw["max_position_embeddings"]),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             rope_scaling=rope_scaling,
             attention_bias=attention_bias,
@@ -130,6 +130,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_eos_ids(raw, generation or {}),
             sliding_window=window,
+            sliding_layers=sliding_layers,
             qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             partial_rotary_factor=partial_rotary_factor,
             moe=_moe(raw, architecture),
@@ -207,14 +208,32 @@ def _moe(raw: dict[str, Any], architecture: str) -> MoEConfig | None:
                      bool(raw.get("norm_topk_prob", False)), sparse)
 
 
-def _sliding_window(raw: dict[str, Any], architecture: str) -> int | None:
+_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_EVERY_LAYER_SLIDES = ("MistralForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM")
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _sliding_layers(raw: dict[str, Any], architecture: str, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """(window, the layers it applies to) as transformers 5 decides them; (None, ()) when no layer slides."""
     window = raw.get("sliding_window")
-    qwen = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-    if architecture in qwen and not raw.get("use_sliding_window", False):
-        return None  # Qwen2/3 configs carry a sliding_window that is off unless use_sliding_window
-    if architecture == "LlamaForCausalLM":
-        return None
-    return int(window) if window else None
+    if architecture == "LlamaForCausalLM" or not window:
+        return None, ()
+    if architecture in _QWEN and not raw.get("use_sliding_window", False):
+        return None, ()  # Qwen2/3 configs carry a sliding_window that is off unless use_sliding_window
+    if architecture in _EVERY_LAYER_SLIDES:
+        return int(window), tuple(range(num_layers))
+    layer_types = raw.get("layer_types") or _default_layer_types(raw, architecture, num_layers)
+    unknown = sorted(set(layer_types) - set(_LAYER_TYPES))
+    if unknown or len(layer_types) != num_layers:
+        raise ValueError(f"layer_types must give one of {_LAYER_TYPES} per layer, got {layer_types!r}")
+    layers = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+    return (int(window), layers) if layers else (None, ())
+
+
+def _default_layer_types(raw: dict[str, Any], architecture: str, num_layers: int) -> list[str]:
+    """Configs written before transformers saved layer_types: Qwen2/3 slide from max_window_layers on."""
+    first = int(raw.get("max_window_layers", 28))
+    return [_LAYER_TYPES[i >= first] for i in range(num_layers)]
 
 
 def _dtype(raw: dict[str, Any]) -> torch.dtype:

@@ -33,7 +33,7 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, index: int) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -43,6 +43,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.rotary = [rotary]  # a list so the shared module is not registered once per layer
+        self.window = config.sliding_window if index in config.sliding_layers else None
         # A plain flag: hasattr on a module raises and catches AttributeError inside nn.Module.__getattr__,
         # once per layer per step on every model without the norms.
         self.qk_norm = config.qk_norm
@@ -60,7 +61,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary[0](positions, q, k, meta.seq_ends)
-        out = paged_attention(q, k, v, kv_cache, meta)
+        out = paged_attention(q, k, v, kv_cache, meta, window=self.window)
         return self.o_proj(out.view(-1, self.q_size))
 
 
@@ -78,7 +79,7 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, index: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary)
+        self.self_attn = LlamaAttention(config, rotary, index)
         is_sparse = config.moe is not None and index in config.moe.sparse_layers
         self.mlp = SparseMoE(config.hidden_size, config.moe) if is_sparse else LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
