@@ -54,6 +54,25 @@ KINDS = {
     # Qwen2 with its window on layer 1 only (max_window_layers); sequences of the tests pass the window of 8
     "qwen2_window": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
                      {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    # layer 0 slides over 8 keys, layer 1 is global; soft-caps small enough to change every score and logit.
+    # Untied: with tied embeddings a random Gemma's greedy output repeats one token (the residual stream holds
+    # the scaled input embedding, which lm_head scores highest); gemma3_tied covers tying.
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, {
+        "head_dim": 24, "query_pre_attn_scalar": 20, "sliding_window": 8, "attn_logit_softcapping": 3.0,
+        "final_logit_softcapping": 4.0, "tie_word_embeddings": False,
+    }),
+    # layers 0 and 1 slide (local RoPE theta 100), layer 2 global (linear RoPE); attn_logit_softcapping is set
+    # but transformers' Gemma 3 never applies it
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, {
+        "num_hidden_layers": 3, "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "head_dim": 24, "query_pre_attn_scalar": 32, "sliding_window": 8, "final_logit_softcapping": 6.0,
+        "attn_logit_softcapping": 3.0, "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0}},
+        "tie_word_embeddings": False,
+    }),
+    "gemma3_tied": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+                    {"head_dim": 16, "sliding_window": 8, "sliding_window_pattern": 2}),
 }
 
 

@@ -3,7 +3,7 @@ prefill logits, chunked prefill then decode through the paged KV cache (the SDPA
 the engine uses), greedy decode, and the engine itself (scheduler, ModelRunner) against `generate`.
 
 Sliding windows are 8 keys and the sequences run to 40 or more, so each window really hides keys (a test below
-checks that the output changes without the mask)."""
+checks that the output changes without the mask or the soft-cap)."""
 
 import json
 
@@ -19,7 +19,7 @@ from flotilla.models.toy_tokenizer import toy_tokenizer_json
 from .helpers import VOCAB, PagedDriver, hf_chunked_logits, hf_logits, random_tokens
 
 ATOL = 1e-4
-KINDS = ["qwen3", "phi3", "phi3_longrope", "qwen3_moe", "mistral", "qwen2_window"]
+KINDS = ["qwen3", "phi3", "phi3_longrope", "qwen3_moe", "mistral", "qwen2_window", "gemma2", "gemma3"]
 NO_KERNEL = pytest.mark.skipif(decode_kernel.load() is None, reason="no C compiler")
 DECODE_PATHS = [False, pytest.param(True, marks=NO_KERNEL)]
 
@@ -85,9 +85,10 @@ def test_engine_greedy_equals_hf_generate(checkpoint_factory, kind):
         assert prompt + result.token_ids == hf_greedy(ckpt.hf, prompt, 12)
 
 
-@pytest.mark.parametrize(("kind", "removed"), [("mistral", "window"), ("qwen2_window", "window")])
-def test_the_tests_depend_on_the_mask(checkpoint_factory, kind, removed):
-    """Guards the test configs: without the sliding-window mask the output is far from HF's."""
+@pytest.mark.parametrize(("kind", "removed"), [("mistral", "window"), ("qwen2_window", "window"),
+                                               ("gemma2", "window"), ("gemma2", "softcap"), ("gemma3", "window")])
+def test_the_tests_depend_on_the_mask_and_the_softcap(checkpoint_factory, kind, removed):
+    """Guards the test configs: without the sliding-window mask or the soft-cap the output is far from HF's."""
     ckpt = checkpoint_factory(kind)
     model = load_model(ckpt.directory, torch.float32, torch.device("cpu"))
     attention = [layer.self_attn for layer in model.model.layers if getattr(layer.self_attn, removed) is not None]

@@ -96,21 +96,28 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin_cache = self._build(self.cos_sin_cache.device)
         return self
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, seq_ends: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, H, D], k [T, H_kv, D] rotated for their token positions [T]; seq_ends [T]: the context length
-        after the step of each token's sequence (LongRoPE only)."""
+    def cos_sin(
+        self, positions: torch.Tensor, seq_ends: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """[2, T, 1, rotary_dim] in `dtype` for token positions [T]; seq_ends [T]: the context length after the
+        step of each token's sequence (LongRoPE only)."""
         rows = positions
         if self.long_after is not None:
             if seq_ends is None:
                 raise ValueError("LongRoPE needs the sequence ends of the step")
             rows = positions + self.config.max_model_len * (seq_ends > self.long_after)
-        cos_sin = self.cos_sin_cache[:, rows].to(q.dtype).unsqueeze(2)  # [2, T, 1, rotary_dim]
-        return _rotate(q, cos_sin), _rotate(k, cos_sin)
+        return self.cos_sin_cache[:, rows].to(dtype).unsqueeze(2)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, seq_ends: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k [T, H_kv, D] rotated for their token positions [T] (seq_ends: see cos_sin)."""
+        cos_sin = self.cos_sin(positions, seq_ends, q.dtype)
+        return apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
 
 
-def _rotate(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by cos_sin [2, T, 1, rotary_dim] (from RotaryEmbedding.cos_sin, in x's dtype)."""
     cos, sin = cos_sin[0], cos_sin[1]
     rotary_dim = cos.shape[-1]
     if rotary_dim == x.shape[-1]:
