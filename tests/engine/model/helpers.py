@@ -73,6 +73,14 @@ KINDS = {
     }),
     "gemma3_tied": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
                     {"head_dim": 16, "sliding_window": 8, "sliding_window_pattern": 2}),
+    # YaRN stretching 64 positions 4x (default attention factor, betas 32/1); static, so any length is exact
+    "llama_yarn": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {
+        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                            "rope_theta": 10000.0}}),
+    # dynamic NTK past max_position_embeddings 32: the tests' sequences run past it
+    "llama_dynamic": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {
+        "max_position_embeddings": 32,
+        "rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}}),
 }
 
 
@@ -95,9 +103,21 @@ def random_tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(VOCAB) for _ in range(n)]
 
 
+def fresh_rope(hf_model) -> transformers.PreTrainedModel:
+    """Back to the frequencies HF starts with. Its dynamic NTK RoPE keeps the frequencies of the longest
+    sequence it has seen until a forward pass shorter than max_position_embeddings; a served request starts
+    fresh, so every reference does."""
+    rotary = hf_model.model.rotary_emb
+    if getattr(rotary, "rope_type", None) == "dynamic":
+        rotary.register_buffer("inv_freq", rotary.original_inv_freq, persistent=False)
+        rotary.max_seq_len_cached = rotary.original_max_seq_len
+    return hf_model
+
+
 def hf_chunked_logits(hf_model, tokens: list[int], chunk_sizes: list[int]) -> list[torch.Tensor]:
     """HF logits [num_tokens, vocab] of each chunk, fed one after another through its KV cache (what LongRoPE
     and dynamic RoPE compute depends on how a sequence is fed, in transformers as here)."""
+    fresh_rope(hf_model)
     cache = transformers.DynamicCache()
     outputs, start = [], 0
     with torch.inference_mode():
@@ -111,7 +131,23 @@ def hf_chunked_logits(hf_model, tokens: list[int], chunk_sizes: list[int]) -> li
 def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
     """HF logits [len(tokens), vocab] of one sequence, float32."""
     with torch.inference_mode():
-        return hf_model(torch.tensor([tokens])).logits[0].float()
+        return fresh_rope(hf_model)(torch.tensor([tokens])).logits[0].float()
+
+
+def hf_greedy(hf_model, prompt: list[int], num_new: int) -> list[int]:
+    """transformers' greedy `generate`: prompt + num_new tokens."""
+    with torch.inference_mode():
+        out = fresh_rope(hf_model).generate(torch.tensor([prompt]), max_new_tokens=num_new, do_sample=False)
+    return out[0].tolist()
+
+
+def hf_greedy_logprobs(hf_model, prompt: list[int], num_new: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy `generate`: the num_new tokens and the log-probability of each (float32 logits)."""
+    with torch.inference_mode():
+        out = fresh_rope(hf_model).generate(torch.tensor([prompt]), max_new_tokens=num_new, do_sample=False,
+                                            output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    return tokens, [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
 
 
 class PagedDriver:

@@ -96,3 +96,11 @@ def test_window_prefill_reads_only_the_blocks_its_queries_can_see():
     expected = torch.tensor([[q - 4 < k <= q for k in range(4, 12)] for q in range(9, 12)])
     assert torch.equal(chunk.window_mask, expected)
 
+
+def test_rope_lens_follow_the_prompt_length_when_given():
+    # a prompt of 10 prefilled in chunks: every prompt token has rope length 10; a decode token its position + 1;
+    # without a prompt length, the context length after the step
+    seqs = [SeqChunk(4, 3, [1, 2], num_prompt_tokens=10), SeqChunk(12, 1, [3, 4, 5, 6], num_prompt_tokens=10),
+            SeqChunk(0, 2, [7])]
+    meta = AttentionMetadata.build(seqs, 4, CPU)
+    assert meta.rope_lens.tolist() == [10, 10, 10, 13, 2, 2] and meta.max_rope_len == 13

@@ -148,11 +148,23 @@ def test_gemma3_transformers5_layout_rope_per_layer_type():
     assert config.rope_scaling == {"rope_type": "linear", "factor": 8.0}
 
 
+def test_yarn_factor_from_lengths_and_max_model_len_stretched():
+    config = parse(max_position_embeddings=32768, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                                "original_max_position_embeddings": 32768})
+    assert config.max_model_len == 131072  # as vLLM: original * factor
+    config = parse(max_position_embeddings=16384, rope_scaling={"rope_type": "yarn", "factor": None, "beta_fast": 8,
+                                                                "original_max_position_embeddings": 4096})
+    assert config.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+                                   "beta_fast": 8}
+    assert config.max_model_len == 16384
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope type"),
+        ({"rope_scaling": {"rope_type": "proportional", "factor": 4.0}}, "unsupported rope type"),
+        ({"rope_scaling": {"rope_type": "dynamic"}}, "needs"),
         ({"rope_scaling": {"rope_type": "linear"}}, "needs"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"num_key_value_heads": 3}, "multiple"),

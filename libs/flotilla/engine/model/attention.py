@@ -25,11 +25,18 @@ from flotilla.engine.model import decode_kernel
 
 
 class SeqChunk(NamedTuple):
-    """Tokens [start, start + num_tokens) of one sequence are computed this step; block_ids is its block table."""
+    """Tokens [start, start + num_tokens) of one sequence are computed this step; block_ids is its block table.
+
+    num_prompt_tokens sets the rope lengths that length-dependent RoPE (LongRoPE, dynamic NTK) picks frequencies
+    by: the request's prompt length as first submitted gives what transformers' `generate` computes (all prompt
+    tokens in one forward pass of the prompt's length, each later token in a pass of its position + 1), however
+    the engine chunks the prompt. None: the context length after this step, as transformers computes a sequence
+    fed chunk by chunk."""
 
     start: int
     num_tokens: int
     block_ids: list[int]
+    num_prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,8 @@ class AttentionMetadata:
     decode_groups: tuple[DecodeBatch, ...]
     prefills: tuple[PrefillChunk, ...]
     decode_rows: DecodeRows | None = None  # set instead of decode_groups when the CPU kernel runs decode
-    seq_ends: torch.Tensor | None = None  # [T] context length after the step of each token's sequence
+    rope_lens: torch.Tensor | None = None  # [T] the rope length of each token (SeqChunk.num_prompt_tokens)
+    max_rope_len: int = 0  # their maximum
     sliding_window: int | None = None  # the window the window masks were built for
 
     @classmethod
@@ -123,6 +131,9 @@ class AttentionMetadata:
             for i in range(len(seqs))
             if counts[i] > 1
         )
+        # rope length max(floor, position + 1): floor is the prompt length, or the chunk's end when not given
+        floors = [end if seq.num_prompt_tokens is None else seq.num_prompt_tokens for seq, end in zip(seqs, ends)]
+        floor_of_token = torch.tensor(floors, dtype=torch.int64, device=device)[seq_of_token]
         return cls(
             num_tokens=sum(counts),
             positions=positions,
@@ -132,7 +143,8 @@ class AttentionMetadata:
             decode_groups=decode_groups,
             decode_rows=decode_rows,
             prefills=prefills,
-            seq_ends=context_lens[seq_of_token],
+            rope_lens=torch.maximum(floor_of_token, positions + 1),
+            max_rope_len=max(max(floor, end) for floor, end in zip(floors, ends)),
             sliding_window=sliding_window,
         )
 

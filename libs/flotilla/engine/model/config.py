@@ -25,6 +25,10 @@ _ROPE_KEYS = {
     "linear": (("factor",), ()),
     "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
     "longrope": (("short_factor", "long_factor", "factor", "original_max_position_embeddings"), ("attention_factor",)),
+    "yarn": (("factor", "original_max_position_embeddings"),
+             ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")),
+    # max_position_embeddings is ours: transformers' dynamic NTK reads it from the config, not the rope dict
+    "dynamic": (("factor", "max_position_embeddings"), ()),
 }
 SUPPORTED_ROPE_TYPES = ("default", *_ROPE_KEYS)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -62,7 +66,7 @@ class ModelConfig:
     rope_theta: float
     max_model_len: int
     tie_word_embeddings: bool
-    # None means plain RoPE; else {"rope_type": "linear"|"llama3"|"longrope"|..., ...} with HF's keys.
+    # None means plain RoPE; else {"rope_type": "linear"|"llama3"|"longrope"|"yarn"|"dynamic", ...} with HF's keys.
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     attention_bias: bool = False  # bias on q/k/v projections
     o_proj_bias: bool = False  # Llama's attention_bias also covers o_proj; Qwen2's does not
@@ -137,7 +141,7 @@ class ModelConfig:
             intermediate_size=int(raw["intermediate_size"]),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
-            max_model_len=int(raw["max_position_embeddings"]),
+            max_model_len=_max_model_len(int(raw["max_position_embeddings"]), rope_scaling),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),  # Gemma configs tie by default
             rope_scaling=rope_scaling,
             attention_bias=attention_bias,
@@ -230,14 +234,27 @@ def _rope(raw: dict[str, Any], architecture: str, params: dict[str, Any]) -> tup
         default_original = 4096 if architecture == "Phi3ForCausalLM" else max_positions  # Phi3Config's default
         original = raw.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
         params["original_max_position_embeddings"] = int(original or default_original)
-    if rope_type == "longrope" and params.get("factor") is None:
+    if rope_type in ("longrope", "yarn") and params.get("factor") is None:
         params["factor"] = max_positions / params["original_max_position_embeddings"]
+    if rope_type == "dynamic":
+        params["max_position_embeddings"] = max_positions
     required, optional = _ROPE_KEYS[rope_type]
     missing = [key for key in required if params.get(key) is None]
     if missing:
         raise ValueError(f"rope type {rope_type!r} needs {missing}")
     scaling = {key: params[key] for key in (*required, *optional) if params.get(key) is not None}
     return theta, {"rope_type": rope_type, **scaling}, partial
+
+
+def _max_model_len(max_positions: int, scaling: dict[str, Any] | None) -> int:
+    """transformers sets no limit. As vLLM does, YaRN serves original_max_position_embeddings * factor and dynamic
+    NTK max_position_embeddings * factor (the lengths they stretch to); every other type max_position_embeddings."""
+    rope_type = (scaling or {}).get("rope_type")
+    if rope_type == "yarn":
+        return max(max_positions, int(scaling["original_max_position_embeddings"] * scaling["factor"]))
+    if rope_type == "dynamic":
+        return max(max_positions, int(max_positions * scaling["factor"]))
+    return max_positions
 
 
 def _gemma_fields(raw: dict[str, Any], architecture: str, sliding_rope: dict[str, Any] | None) -> dict[str, Any]:

@@ -133,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"{len(kv_caches)} KV caches for {len(self.model.layers)} layers")
         x = self.embed(input_ids)
         meta = attn_metadata
-        rotations = [rope.cos_sin(positions, meta.seq_ends, x.dtype)
+        rotations = [rope.cos_sin(positions, meta.rope_lens, x.dtype, meta.max_rope_len)
                      for rope in self.model.rotary_embeddings()]  # once per step, for every layer
         for index, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             x = layer(x, rotations, attn_metadata, kv_cache)
