@@ -23,6 +23,7 @@ from .helpers import VOCAB, PagedDriver, hf_chunked_logits, hf_greedy, hf_greedy
 ATOL = 1e-4
 KINDS = ["qwen3", "phi3", "phi3_longrope", "qwen3_moe", "mistral", "qwen2_window", "gemma2", "gemma3", "llama_yarn",
          "llama_dynamic"]
+LENGTH_DEPENDENT_ROPE = ["phi3_longrope", "llama_dynamic"]
 NO_KERNEL = pytest.mark.skipif(decode_kernel.load() is None, reason="no C compiler")
 DECODE_PATHS = [False, pytest.param(True, marks=NO_KERNEL)]
 
@@ -101,6 +102,25 @@ def test_longrope_switch_in_decode_matches_hf_generate(checkpoint_factory):
     torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected_logprobs), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("kind", LENGTH_DEPENDENT_ROPE)
+def test_prefix_hits_never_cross_prompts_that_rotate_differently(checkpoint_factory, kind):
+    """A prompt's K/V under length-dependent RoPE depend on the prompt's length past position 32: the longer
+    prompt must not reuse the blocks of a shorter one that rotated differently, and equal rotations still share."""
+    ckpt = checkpoint_factory(kind)
+    engine = _engine(ckpt.directory)
+    short = random_tokens(20, seed=60)  # all within 32: LongRoPE's short factors, dynamic NTK's plain base
+    long = short + random_tokens(17, seed=61)  # 37: long factors, NTK base of 37 for all 37 prompt tokens
+    longer = long + random_tokens(4, seed=62)  # 41: the same long factors; dynamic NTK's base of 41
+    cached = {}
+    for name, prompt in (("short", short), ("long", long), ("longer", longer)):
+        ((tokens, logprobs),) = _engine_greedy(engine, [prompt], 4, cached)
+        expected_tokens, expected_logprobs = hf_greedy_logprobs(ckpt.hf, prompt, 4)
+        assert tokens == expected_tokens
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected_logprobs), atol=ATOL, rtol=0)
+    assert cached[len(long)] == 0
+    assert cached[len(longer)] == (36 if kind == "phi3_longrope" else 0)  # 9 blocks of 4, rotated as it would
+
+
 @pytest.mark.parametrize(("kind", "removed"), [("mistral", "window"), ("qwen2_window", "window"),
                                                ("gemma2", "window"), ("gemma2", "softcap"), ("gemma3", "window")])
 def test_the_tests_depend_on_the_mask_and_the_softcap(checkpoint_factory, kind, removed):
@@ -116,8 +136,9 @@ def test_the_tests_depend_on_the_mask_and_the_softcap(checkpoint_factory, kind, 
     assert difference > 100 * ATOL
 
 
-def _engine_greedy(engine: LLMEngine, prompts: list[list[int]], num_new: int):
-    """(tokens, log-probabilities) of each prompt, generated greedily together."""
+def _engine_greedy(engine: LLMEngine, prompts: list[list[int]], num_new: int, num_cached: dict | None = None):
+    """(tokens, log-probabilities) of each prompt, generated greedily together; num_cached: prompt length ->
+    prompt tokens served from the prefix cache."""
     params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True, logprobs=0)
     ids = [f"greedy-{len(prompt)}-{i}" for i, prompt in enumerate(prompts)]
     for request_id, prompt in zip(ids, prompts):
@@ -129,6 +150,8 @@ def _engine_greedy(engine: LLMEngine, prompts: list[list[int]], num_new: int):
             tokens, logprobs = results[output.request_id]
             tokens += output.new_token_ids
             logprobs += [entry.logprob for entry in output.logprobs]
+            if num_cached is not None:
+                num_cached[output.num_prompt_tokens] = output.num_cached_prompt_tokens
             if output.finished:
                 pending.discard(output.request_id)
     return [results[request_id] for request_id in ids]

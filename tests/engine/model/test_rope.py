@@ -9,6 +9,7 @@ from flotilla.engine.model.rope import (
     attention_scaling,
     dynamic_inverse_frequencies,
     inverse_frequencies,
+    prompt_length_key,
 )
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -93,3 +94,11 @@ def test_dynamic_rotation_follows_the_rope_length_not_the_position():
     with pytest.raises(ValueError, match="rope lengths"):
         rope.cos_sin(positions)
 
+
+@pytest.mark.parametrize(("rope_parameters", "keys"), [
+    ({"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}, [None, None, "dynamic:513", "dynamic:600"]),
+    (LLAMA3, [None, None, None, None]),  # llama3 rotates by position alone
+])
+def test_prompt_length_key_names_what_the_kv_depend_on(rope_parameters, keys):
+    _, ours = hf_and_ours(rope_parameters)
+    assert [prompt_length_key(ours, n) for n in (1, 512, 513, 600)] == keys

@@ -2,8 +2,8 @@
 
 Dynamic NTK and LongRoPE depend on the sequence length of the forward pass in transformers, so what a token
 gets depends on how the sequence is fed. The engine follows `generate` for the request (the rope lengths of
-SeqChunk.num_prompt_tokens): equal to it however the prompt is chunked or preempted. Where it still differs
-from `generate`:
+SeqChunk.num_prompt_tokens): equal to it however the prompt is chunked, preempted or served from the prefix
+cache (keyed by prompt_length_key). Where it still differs from `generate`:
 - transformers' Phi-3 drops its cache at the step where a sequence first passes
   original_max_position_embeddings and recomputes every token with the long factors; the engine keeps the
   short-factor K/V of the tokens before (log-probabilities after the switch ~0.03 off on the test checkpoint);
@@ -130,6 +130,20 @@ def _llama3(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     smoothed = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
     is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium_freq, smoothed, inv_freq_llama)
+
+
+def prompt_length_key(config: ModelConfig, num_prompt_tokens: int) -> str | None:
+    """What a request's K/V depend on besides its tokens: under length-dependent RoPE the rope lengths of its
+    prompt tokens are the prompt's length (SeqChunk.num_prompt_tokens), so prefix-cache hits must not cross
+    prompts that rotate differently. None when nothing: every token's rotation follows from its position."""
+    keys = []
+    for scaling in (config.rope_scaling, config.sliding_rope_scaling):
+        rope_type = (scaling or {}).get("rope_type")
+        if rope_type == "longrope" and num_prompt_tokens > scaling["original_max_position_embeddings"]:
+            keys.append("longrope:long")  # every token takes the long factors; shorter prompts, short ones
+        elif rope_type == "dynamic" and num_prompt_tokens > scaling["max_position_embeddings"]:
+            keys.append(f"dynamic:{num_prompt_tokens}")  # the prompt's length sets the NTK base
+    return "/".join(keys) or None
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
