@@ -2,6 +2,7 @@
 
 import pytest
 
+from flotilla.engine.block_hash import chain_root
 from flotilla.engine.kv_cache_manager import ComputedBlocks, KVCacheIntegrityError, KVCacheManager
 from flotilla.engine.request import Request
 from flotilla.engine.sampling_params import SamplingParams
@@ -159,6 +160,19 @@ def test_different_cache_salt_never_hits():
     assert kv.get_computed_blocks(_request("b", range(9), salt="tenant-2")) == ComputedBlocks([], 0)
     assert kv.get_computed_blocks(_request("c", range(9), salt="")) == ComputedBlocks([], 0)
     assert kv.get_computed_blocks(_request("d", range(9), salt="tenant-1")) == ComputedBlocks([0, 1], 8)
+
+
+def test_different_cache_root_never_hits():
+    """A chain root (block_hash.chain_root: K/V rotated by the prompt's length) separates equal tokens and salts."""
+    kv = KVCacheManager(10, BS)
+    rooted = Request("a", list(range(9)), SamplingParams(max_tokens=8), cache_root=chain_root("dynamic:40"))
+    _run(kv, rooted)
+    assert kv.get_computed_blocks(_request("b", range(9))) == ComputedBlocks([], 0)
+    other = Request("c", list(range(9)), SamplingParams(max_tokens=8), cache_root=chain_root("dynamic:41"))
+    assert kv.get_computed_blocks(other) == ComputedBlocks([], 0)
+    same = Request("d", list(range(9)), SamplingParams(max_tokens=8), cache_root=chain_root("dynamic:40"))
+    assert kv.get_computed_blocks(same) == ComputedBlocks([0, 1], 8)
+    assert chain_root(None) is None
 
 
 def test_prefix_caching_disabled_never_hits_or_publishes():

@@ -32,6 +32,15 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], salt:
     return digest.digest()
 
 
+def chain_root(key: str | None) -> bytes | None:
+    """A digest to start a request's chain from instead of no parent, for K/V that depend on more than the
+    tokens and the salt (`key`; None: nothing more). A chain from a root never equals one without: the first
+    block hash encodes "has a parent" and the root's bytes."""
+    if key is None:
+        return None
+    return hashlib.blake2b(key.encode("utf-8"), digest_size=DIGEST_SIZE, person=b"flotilla-root-v1").digest()
+
+
 def hash_full_blocks(
     token_ids: Sequence[int],
     block_size: int,

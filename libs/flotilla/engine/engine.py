@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from flotilla.engine.block_hash import chain_root
 from flotilla.engine.config import EngineConfig, default_kv_budget, resolve_device, resolve_dtype
 from flotilla.engine.detokenizer import IncrementalDetokenizer
 from flotilla.engine.errors import InvalidRequestError
@@ -15,6 +16,7 @@ from flotilla.engine.kv_cache_manager import KVCacheManager
 from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.model.kv_cache import num_blocks_for_budget
 from flotilla.engine.model.loader import load_model
+from flotilla.engine.model.rope import prompt_length_key
 from flotilla.engine.model_runner import ModelRunner
 from flotilla.engine.new_request import NewRequest
 from flotilla.engine.outputs import EngineStats, RequestOutput
@@ -101,6 +103,7 @@ class LLMEngine:
             sampling_params=new.sampling_params,
             priority=Priority(new.priority),
             cache_salt=new.cache_salt,
+            cache_root=chain_root(prompt_length_key(self.model_config, len(new.prompt_token_ids))),
             eos_token_ids=tuple(self.tokenizer.eos_token_ids),
             num_previous_output_tokens=len(new.delivered_token_ids),
             # A resumed stream's matcher replays what was delivered: the output goes on inside the grammar.

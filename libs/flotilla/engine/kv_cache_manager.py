@@ -278,7 +278,7 @@ class KVCacheManager:
         num_known = len(chain.hashes)
         if num_known < num_blocks:
             token_ids = request.token_ids_slice(num_known * self.block_size, num_blocks * self.block_size)
-            parent_hash = chain.hashes[-1] if chain.hashes else None
+            parent_hash = chain.hashes[-1] if chain.hashes else request.cache_root
             chain.hashes.extend(hash_full_blocks(token_ids, self.block_size, request.cache_salt, parent_hash))
         return chain.hashes[:num_blocks]
 

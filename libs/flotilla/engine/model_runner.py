@@ -61,10 +61,11 @@ class ModelRunner:
         chunks = sorted(scheduler_output.chunks, key=lambda chunk: (chunk.num_tokens != 1, chunk.end))
         input_ids, positions = self._inputs(chunks)
         meta = AttentionMetadata.build(
-            [SeqChunk(c.start, c.num_tokens, c.block_ids) for c in chunks],
+            [SeqChunk(c.start, c.num_tokens, c.block_ids, _num_original_prompt_tokens(c.request)) for c in chunks],
             self.block_size,
             self.device,
             use_decode_kernel=self.use_decode_kernel,
+            sliding_window=self.model.config.sliding_window,
         )
         hook = self.kv_hook
         if hook is not None:
@@ -111,6 +112,12 @@ class ModelRunner:
         )
         for i, value in zip(wanted, values):
             output.logprobs[requests[i].request_id] = value
+
+
+def _num_original_prompt_tokens(request) -> int:
+    """The prompt as first submitted (a resumed stream's delivered tokens are its output): length-dependent RoPE
+    rotates as transformers' generate would for that prompt (SeqChunk.num_prompt_tokens)."""
+    return request.num_prompt_tokens - request.num_previous_output_tokens
 
 
 def _last_rows(chunks: Sequence[ScheduledChunk], indices: Sequence[int]) -> list[int]:

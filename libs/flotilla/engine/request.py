@@ -42,6 +42,9 @@ class Request:
     sampling_params: SamplingParams
     priority: Priority = Priority.INTERACTIVE
     cache_salt: str = ""  # tenant: prefix-cache hits never cross salts
+    # Root of the request's chain of block hashes (None: none): what its K/V depend on besides its tokens, so that
+    # hits never cross it (the prompt length under length-dependent RoPE, block_hash.chain_root).
+    cache_root: bytes | None = None
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
 

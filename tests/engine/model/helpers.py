@@ -36,7 +36,7 @@ KINDS = {
     "linear_rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
                     {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}}),
     "qwen2_tied": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"tie_word_embeddings": True}),
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 4096}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 8}),
     # head_dim 24 != hidden / heads: the q/k norms and projections must follow head_dim
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 24}),
     # partial rotary: 12 of 16 dims rotate; LongRoPE: short factors up to 32 positions, long ones past them
@@ -51,6 +51,36 @@ KINDS = {
         "head_dim": 24, "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
         "norm_topk_prob": True, "mlp_only_layers": [1],
     }),
+    # Qwen2 with its window on layer 1 only (max_window_layers); sequences of the tests pass the window of 8
+    "qwen2_window": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+                     {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    # layer 0 slides over 8 keys, layer 1 is global; soft-caps small enough to change every score and logit.
+    # Untied: with tied embeddings a random Gemma's greedy output repeats one token (the residual stream holds
+    # the scaled input embedding, which lm_head scores highest); gemma3_tied covers tying.
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, {
+        "head_dim": 24, "query_pre_attn_scalar": 20, "sliding_window": 8, "attn_logit_softcapping": 3.0,
+        "final_logit_softcapping": 4.0, "tie_word_embeddings": False,
+    }),
+    # layers 0 and 1 slide (local RoPE theta 100), layer 2 global (linear RoPE); attn_logit_softcapping is set
+    # but transformers' Gemma 3 never applies it
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, {
+        "num_hidden_layers": 3, "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "head_dim": 24, "query_pre_attn_scalar": 32, "sliding_window": 8, "final_logit_softcapping": 6.0,
+        "attn_logit_softcapping": 3.0, "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0}},
+        "tie_word_embeddings": False,
+    }),
+    "gemma3_tied": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+                    {"head_dim": 16, "sliding_window": 8, "sliding_window_pattern": 2}),
+    # YaRN stretching 64 positions 4x (default attention factor, betas 32/1); static, so any length is exact
+    "llama_yarn": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {
+        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                            "rope_theta": 10000.0}}),
+    # dynamic NTK past max_position_embeddings 32: the tests' sequences run past it
+    "llama_dynamic": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {
+        "max_position_embeddings": 32,
+        "rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}}),
 }
 
 
@@ -73,9 +103,21 @@ def random_tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(VOCAB) for _ in range(n)]
 
 
+def fresh_rope(hf_model) -> transformers.PreTrainedModel:
+    """Back to the frequencies HF starts with. Its dynamic NTK RoPE keeps the frequencies of the longest
+    sequence it has seen until a forward pass shorter than max_position_embeddings; a served request starts
+    fresh, so every reference does."""
+    rotary = hf_model.model.rotary_emb
+    if getattr(rotary, "rope_type", None) == "dynamic":
+        rotary.register_buffer("inv_freq", rotary.original_inv_freq, persistent=False)
+        rotary.max_seq_len_cached = rotary.original_max_seq_len
+    return hf_model
+
+
 def hf_chunked_logits(hf_model, tokens: list[int], chunk_sizes: list[int]) -> list[torch.Tensor]:
     """HF logits [num_tokens, vocab] of each chunk, fed one after another through its KV cache (what LongRoPE
     and dynamic RoPE compute depends on how a sequence is fed, in transformers as here)."""
+    fresh_rope(hf_model)
     cache = transformers.DynamicCache()
     outputs, start = [], 0
     with torch.inference_mode():
@@ -89,7 +131,23 @@ def hf_chunked_logits(hf_model, tokens: list[int], chunk_sizes: list[int]) -> li
 def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
     """HF logits [len(tokens), vocab] of one sequence, float32."""
     with torch.inference_mode():
-        return hf_model(torch.tensor([tokens])).logits[0].float()
+        return fresh_rope(hf_model)(torch.tensor([tokens])).logits[0].float()
+
+
+def hf_greedy(hf_model, prompt: list[int], num_new: int) -> list[int]:
+    """transformers' greedy `generate`: prompt + num_new tokens."""
+    with torch.inference_mode():
+        out = fresh_rope(hf_model).generate(torch.tensor([prompt]), max_new_tokens=num_new, do_sample=False)
+    return out[0].tolist()
+
+
+def hf_greedy_logprobs(hf_model, prompt: list[int], num_new: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy `generate`: the num_new tokens and the log-probability of each (float32 logits)."""
+    with torch.inference_mode():
+        out = fresh_rope(hf_model).generate(torch.tensor([prompt]), max_new_tokens=num_new, do_sample=False,
+                                            output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    return tokens, [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
 
 
 class PagedDriver:
@@ -126,7 +184,8 @@ class PagedDriver:
 
     def run(self, chunks: list[SeqChunk], token_lists: list[list[int]]) -> torch.Tensor:
         cpu = torch.device("cpu")
-        meta = AttentionMetadata.build(chunks, self.block_size, cpu, use_decode_kernel=self.use_decode_kernel)
+        meta = AttentionMetadata.build(chunks, self.block_size, cpu, use_decode_kernel=self.use_decode_kernel,
+                                       sliding_window=self.model.config.sliding_window)
         input_ids = torch.tensor([t for tokens in token_lists for t in tokens])
         with torch.inference_mode():
             hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)
@@ -135,7 +194,8 @@ class PagedDriver:
 
     def all_logits(self, seq_id: str, tokens: list[int]) -> torch.Tensor:
         """One prefill chunk of the whole sequence, logits of every position."""
-        meta = AttentionMetadata.build([self.chunk(seq_id, 0, len(tokens))], self.block_size, torch.device("cpu"))
+        meta = AttentionMetadata.build([self.chunk(seq_id, 0, len(tokens))], self.block_size, torch.device("cpu"),
+                                       sliding_window=self.model.config.sliding_window)
         with torch.inference_mode():
             hidden = self.model(torch.tensor(tokens), meta.positions, meta, self.kv_caches)
             return self.model.compute_logits(hidden)

@@ -64,3 +64,43 @@ def test_decode_groups_cap_the_gathered_context():
     groups = AttentionMetadata.build(seqs, 4, CPU, max_decode_group_tokens=12).decode_groups
     assert [g.token_slice for g in groups] == [slice(0, 2), slice(2, 3), slice(3, 4)]
     assert groups[0].block_ids.tolist() == [1, 0, 2, 3]
+
+
+def test_window_masks_hide_keys_older_than_the_window():
+    # decode at position 9 (context 10) and at position 2; prefill of positions 4..9 from an offset; window 4
+    seqs = [SeqChunk(9, 1, [1, 2, 3]), SeqChunk(2, 1, [4]), SeqChunk(4, 6, [5, 6, 7])]
+    meta = AttentionMetadata.build(seqs, 4, CPU, sliding_window=4)
+    (decode,) = meta.decode_groups
+    assert decode.window_mask[:, 0, 0].tolist() == [[False] * 6 + [True] * 4 + [False] * 2,
+                                                    [True] * 3 + [False] * 9]
+    (chunk,) = meta.prefills
+    expected = torch.tensor([[q - 4 < k <= q for k in range(10)] for q in range(4, 10)])
+    assert torch.equal(chunk.window_mask, expected)
+    assert torch.equal(chunk.mask, torch.tensor([[k <= q for k in range(10)] for q in range(4, 10)]))  # full layers
+    assert meta.sliding_window == 4
+
+
+def test_window_masks_are_the_plain_ones_while_the_context_fits_the_window():
+    meta = AttentionMetadata.build([SeqChunk(0, 6, [3, 0]), SeqChunk(3, 1, [1])], 4, CPU, sliding_window=6)
+    assert meta.prefills[0].window_mask is None  # plain causal: SDPA's is_causal
+    assert meta.decode_groups[0].window_mask is meta.decode_groups[0].mask
+    longer = AttentionMetadata.build([SeqChunk(0, 7, [3, 0])], 4, CPU, sliding_window=6).prefills[0]
+    assert longer.mask is None and not longer.window_mask[6, 0] and longer.window_mask[6, 1]
+
+
+def test_window_prefill_reads_only_the_blocks_its_queries_can_see():
+    # queries at 9..11 with a window of 4 see keys from 6 on: blocks from the second (keys 4..) are gathered
+    (chunk,) = AttentionMetadata.build([SeqChunk(9, 3, [8, 5, 2])], 4, CPU, sliding_window=4).prefills
+    assert chunk.block_ids.tolist() == [8, 5, 2] and chunk.window_block_ids.tolist() == [5, 2]
+    assert chunk.window_key_start == 4
+    expected = torch.tensor([[q - 4 < k <= q for k in range(4, 12)] for q in range(9, 12)])
+    assert torch.equal(chunk.window_mask, expected)
+
+
+def test_rope_lens_follow_the_prompt_length_when_given():
+    # a prompt of 10 prefilled in chunks: every prompt token has rope length 10; a decode token its position + 1;
+    # without a prompt length, the context length after the step
+    seqs = [SeqChunk(4, 3, [1, 2], num_prompt_tokens=10), SeqChunk(12, 1, [3, 4, 5, 6], num_prompt_tokens=10),
+            SeqChunk(0, 2, [7])]
+    meta = AttentionMetadata.build(seqs, 4, CPU)
+    assert meta.rope_lens.tolist() == [10, 10, 10, 13, 2, 2] and meta.max_rope_len == 13

@@ -80,10 +80,21 @@ def test_qwen3_moe_sparse_layers():
         parse(architectures=["Qwen3MoeForCausalLM"], num_local_experts=4, num_experts_per_tok=5)
 
 
-def test_mistral_sliding_window_caps_max_model_len():
+def test_mistral_sliding_window_masks_every_layer_without_capping_the_context():
     config = parse(architectures=["MistralForCausalLM"], sliding_window=1024)
-    assert config.max_model_len == 1024 and config.sliding_window == 1024
-    assert parse(architectures=["MistralForCausalLM"], sliding_window=None).max_model_len == 4096
+    assert config.max_model_len == 4096 and config.sliding_window == 1024 and config.sliding_layers == (0, 1, 2)
+    config = parse(architectures=["MistralForCausalLM"], sliding_window=None)
+    assert config.sliding_window is None and config.sliding_layers == ()
+
+
+def test_qwen2_window_applies_from_max_window_layers_or_layer_types():
+    config = parse(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=64, max_window_layers=1)
+    assert config.sliding_window == 64 and config.sliding_layers == (1, 2) and config.max_model_len == 4096
+    types = ["sliding_attention", "full_attention", "sliding_attention"]
+    assert parse(architectures=["Qwen3ForCausalLM"], use_sliding_window=True, sliding_window=64,
+                 layer_types=types).sliding_layers == (0, 2)
+    assert parse(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=64,
+                 max_window_layers=3).sliding_window is None  # no layer slides
 
 
 def test_transformers4_rope_scaling_layout():
@@ -105,14 +116,65 @@ def test_llama3_without_original_max_uses_max_position_embeddings():
     assert config.rope_scaling["original_max_position_embeddings"] == 4096
 
 
+def test_gemma2_defaults_of_a_config_without_layer_types():
+    config = parse(architectures=["Gemma2ForCausalLM"], hidden_act="gelu_pytorch_tanh",
+                   hidden_activation="gelu_pytorch_tanh", sliding_window=4096)
+    assert config.is_gemma and config.hidden_act == "gelu_pytorch_tanh" and config.head_dim == 256
+    assert config.sliding_window == 4096 and config.sliding_layers == (0, 2)  # alternating, sliding first
+    assert (config.attn_logit_softcap, config.final_logit_softcap) == (50.0, 30.0)  # Gemma2Config's defaults
+    assert config.attention_scale == 256**-0.5 and config.tie_word_embeddings and not config.qk_norm
+    assert config.max_model_len == 4096 and config.sliding_rope_theta is None
+    assert parse(architectures=["Gemma2ForCausalLM"], attn_logit_softcapping=None).attn_logit_softcap is None
+
+
+def test_gemma3_transformers4_layout_local_rope_and_pattern():
+    config = parse(architectures=["Gemma3ForCausalLM"], rope_theta=1e6, rope_local_base_freq=1e4,
+                   rope_scaling={"rope_type": "linear", "factor": 8.0}, sliding_window=512, sliding_window_pattern=3,
+                   query_pre_attn_scalar=64, attn_logit_softcapping=50.0, final_logit_softcapping=None)
+    assert config.sliding_layers == (0, 1) and config.sliding_window == 512 and config.qk_norm
+    assert config.rope_theta == 1e6 and config.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert config.sliding_rope_theta == 1e4 and config.sliding_rope_scaling is None
+    assert config.attention_scale == 64**-0.5
+    assert config.attn_logit_softcap is None and config.final_logit_softcap is None  # Gemma 3 never applies it
+
+
+def test_gemma3_transformers5_layout_rope_per_layer_type():
+    types = ["sliding_attention", "full_attention", "full_attention"]
+    config = parse(architectures=["Gemma3ForCausalLM"], layer_types=types, rope_theta=None, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})
+    assert config.sliding_layers == (0,) and config.sliding_window == 4096  # Gemma3TextConfig's default window
+    assert (config.rope_theta, config.sliding_rope_theta) == (1e6, 1e4)
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+
+
+def test_yarn_factor_from_lengths_and_max_model_len_stretched():
+    config = parse(max_position_embeddings=32768, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                                "original_max_position_embeddings": 32768})
+    assert config.max_model_len == 131072  # as vLLM: original * factor
+    config = parse(max_position_embeddings=16384, rope_scaling={"rope_type": "yarn", "factor": None, "beta_fast": 8,
+                                                                "original_max_position_embeddings": 4096})
+    assert config.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+                                   "beta_fast": 8}
+    assert config.max_model_len == 16384
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope type"),
+        ({"rope_scaling": {"rope_type": "proportional", "factor": 4.0}}, "unsupported rope type"),
+        ({"rope_scaling": {"rope_type": "dynamic"}}, "needs"),
         ({"rope_scaling": {"rope_type": "linear"}}, "needs"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"num_key_value_heads": 3}, "multiple"),
+        ({"architectures": ["Gemma2ForCausalLM"], "hidden_activation": "gelu"}, "hidden_activation 'gelu'"),
+        ({"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True}, "bidirectional"),
+        ({"architectures": ["Gemma3ForCausalLM"], "layer_types": ["chunked_attention"] * 3}, "layer_types"),
+        ({"architectures": ["Gemma2ForCausalLM"], "layer_types": ["full_attention"]}, "layer_types"),
+        ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per-layer-type"),
+        ({"architectures": ["Gemma3ForCausalLM"], "rope_parameters": {
+            "full_attention": {"rope_type": "proportional", "rope_theta": 1e6}}}, "unsupported rope type"),
     ],
 )
 def test_unsupported_configs_raise(overrides, message):

@@ -123,3 +123,17 @@ def test_check_checkpoint_reads_names_only_and_says_what_is_wrong(saved, tmp_pat
         check_checkpoint(tmp_path)
     assert str(error.value) == (f"{tmp_path}: LlamaForCausalLM: checkpoint lacks tensors for model.norm.weight; "
                                 "has tensors it cannot place: model.layers.0.mlp.extra.weight")
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3_tied"])
+def test_gemma_checkpoints_check_and_load_as_gemma(checkpoint_factory, kind):
+    from flotilla.engine.model import GemmaForCausalLM
+    from flotilla.engine.model.loader import check_checkpoint
+
+    ckpt = checkpoint_factory(kind)
+    assert check_checkpoint(ckpt.directory).is_gemma
+    model = ckpt.model
+    assert isinstance(model, GemmaForCausalLM)
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    assert tied == (kind == "gemma3_tied")
+    assert model.model.layers[0].post_feedforward_layernorm.weight.abs().sum() > 0  # loaded, not the zero init

@@ -5,7 +5,7 @@ import torch
 
 from flotilla.engine.model import load_model
 
-from .helpers import KINDS, PagedDriver, hf_logits, random_tokens
+from .helpers import KINDS, PagedDriver, hf_greedy, hf_logits, random_tokens
 
 ATOL = 1e-4
 
@@ -70,8 +70,7 @@ def test_greedy_generation_equals_hf_generate(checkpoint_factory, kind):
     ckpt = checkpoint_factory(kind)
     prompt = random_tokens(9, seed=30)
     num_new = 30
-    with torch.inference_mode():
-        expected = ckpt.hf.generate(torch.tensor([prompt]), max_new_tokens=num_new, do_sample=False)[0].tolist()
+    expected = hf_greedy(ckpt.hf, prompt, num_new)
     driver = PagedDriver(ckpt.model, block_size=4, seed=5)
     tokens = list(prompt)
     (logits,) = driver.step([("a", tokens, 0, len(tokens))])

@@ -7,6 +7,9 @@ Decode chunks (one token) run batched in SDPA calls over a padded gather with a 
 of consecutive sequences whose gathered K/V stays small (on a CPU a group that fits the caches runs
 4x faster than one big batch; on a GPU one group); prefill chunks run one SDPA call each, causal with
 an offset.
+Sliding-window layers use a second mask of each kind (built when the step is given the model's window) that also
+hides keys older than the window; the CPU kernel skips them. Soft-capped scores (Gemma 2) leave SDPA for the same
+computation written out (scores, tanh cap, mask, softmax, values), since SDPA has no soft-cap.
 """
 
 from __future__ import annotations
@@ -22,11 +25,18 @@ from flotilla.engine.model import decode_kernel
 
 
 class SeqChunk(NamedTuple):
-    """Tokens [start, start + num_tokens) of one sequence are computed this step; block_ids is its block table."""
+    """Tokens [start, start + num_tokens) of one sequence are computed this step; block_ids is its block table.
+
+    num_prompt_tokens sets the rope lengths that length-dependent RoPE (LongRoPE, dynamic NTK) picks frequencies
+    by: the request's prompt length as first submitted gives what transformers' `generate` computes (all prompt
+    tokens in one forward pass of the prompt's length, each later token in a pass of its position + 1), however
+    the engine chunks the prompt. None: the context length after this step, as transformers computes a sequence
+    fed chunk by chunk."""
 
     start: int
     num_tokens: int
     block_ids: list[int]
+    num_prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -37,6 +47,7 @@ class DecodeBatch:
     token_slice: slice | None  # the same rows as a slice when they are a contiguous run (the usual case)
     block_ids: torch.Tensor  # [B * W] every sequence's block table padded to W blocks (padding: block 0)
     mask: torch.Tensor  # [B, 1, 1, W * block_size] True where the key is inside the sequence's context
+    window_mask: torch.Tensor | None = None  # the same, less keys older than the sliding window (None: no window)
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,11 @@ class PrefillChunk:
     block_ids: torch.Tensor  # [ceil(context_len / block_size)] the blocks holding its context
     context_len: int
     mask: torch.Tensor | None  # [num_tokens, context_len]; None when start == 0 (plain causal)
+    # Sliding layers read only the blocks from the one holding the chunk's oldest visible key (position
+    # window_key_start on): window_mask [num_tokens, context_len - window_key_start]; None: plain causal.
+    window_mask: torch.Tensor | None = None
+    window_block_ids: torch.Tensor | None = None
+    window_key_start: int = 0
 
 
 @dataclass(frozen=True)
@@ -69,7 +85,9 @@ class AttentionMetadata:
     decode_groups: tuple[DecodeBatch, ...]
     prefills: tuple[PrefillChunk, ...]
     decode_rows: DecodeRows | None = None  # set instead of decode_groups when the CPU kernel runs decode
-    seq_ends: torch.Tensor | None = None  # [T] context length after the step of each token's sequence
+    rope_lens: torch.Tensor | None = None  # [T] the rope length of each token (SeqChunk.num_prompt_tokens)
+    max_rope_len: int = 0  # their maximum
+    sliding_window: int | None = None  # the window the window masks were built for
 
     @classmethod
     def build(
@@ -79,11 +97,13 @@ class AttentionMetadata:
         device: torch.device,
         max_decode_group_tokens: int | None = None,
         use_decode_kernel: bool = False,
+        sliding_window: int | None = None,
     ) -> AttentionMetadata:
         """max_decode_group_tokens caps the padded context tokens gathered per decode SDPA call; None picks
         a per-device default. Order decode chunks by context length to keep padding small.
-        use_decode_kernel: decode through the CPU kernel (decode_kernel.applies) instead of SDPA groups."""
-        _validate(seqs, block_size)
+        use_decode_kernel: decode through the CPU kernel (decode_kernel.applies) instead of SDPA groups.
+        sliding_window: the model's (ModelConfig.sliding_window), for the masks of its sliding layers."""
+        _validate(seqs, block_size, sliding_window)
         starts = [seq.start for seq in seqs]
         counts = [seq.num_tokens for seq in seqs]
         ends = [start + count for start, count in zip(starts, counts)]
@@ -103,14 +123,17 @@ class AttentionMetadata:
         else:
             group_tokens = max_decode_group_tokens or _default_decode_group_tokens(device)
             decode_groups = tuple(
-                _decode_batch(group, offsets, ends, block_tables, block_size, device)
+                _decode_batch(group, offsets, ends, block_tables, block_size, device, sliding_window)
                 for group in _decode_groups(decode_ids, ends, group_tokens)
             )
         prefills = tuple(
-            _prefill_chunk(starts[i], counts[i], offsets[i], block_tables[i], block_size, device)
+            _prefill_chunk(starts[i], counts[i], offsets[i], block_tables[i], block_size, device, sliding_window)
             for i in range(len(seqs))
             if counts[i] > 1
         )
+        # rope length max(floor, position + 1): floor is the prompt length, or the chunk's end when not given
+        floors = [end if seq.num_prompt_tokens is None else seq.num_prompt_tokens for seq, end in zip(seqs, ends)]
+        floor_of_token = torch.tensor(floors, dtype=torch.int64, device=device)[seq_of_token]
         return cls(
             num_tokens=sum(counts),
             positions=positions,
@@ -120,13 +143,17 @@ class AttentionMetadata:
             decode_groups=decode_groups,
             decode_rows=decode_rows,
             prefills=prefills,
-            seq_ends=context_lens[seq_of_token],
+            rope_lens=torch.maximum(floor_of_token, positions + 1),
+            max_rope_len=max(max(floor, end) for floor, end in zip(floors, ends)),
+            sliding_window=sliding_window,
         )
 
 
-def _validate(seqs: Sequence[SeqChunk], block_size: int) -> None:
+def _validate(seqs: Sequence[SeqChunk], block_size: int, sliding_window: int | None) -> None:
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if not seqs:
         raise ValueError("a step needs at least one sequence chunk")
     for seq in seqs:
@@ -195,54 +222,98 @@ def _decode_rows(decode_ids: list[int], offsets, ends, block_tables, device) -> 
     )
 
 
-def _decode_batch(decode_ids: list[int], offsets, ends, block_tables, block_size, device) -> DecodeBatch:
+def _decode_batch(decode_ids: list[int], offsets, ends, block_tables, block_size, device, window) -> DecodeBatch:
     rows = [offsets[i] for i in decode_ids]
     contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-    width = -(-max(ends[i] for i in decode_ids) // block_size)
+    max_context_len = max(ends[i] for i in decode_ids)
+    width = -(-max_context_len // block_size)
     ids = torch.tensor(decode_ids, dtype=torch.int64, device=device)
     context_lens = torch.tensor([ends[i] for i in decode_ids], dtype=torch.int64, device=device)
     key_positions = torch.arange(width * block_size, dtype=torch.int64, device=device)
-    mask = key_positions[None, :] < context_lens[:, None]
+    mask = (key_positions[None, :] < context_lens[:, None])[:, None, None, :]
+    window_mask = None
+    if window is not None:  # the query sits at context_len - 1 and sees keys from context_len - window on
+        recent = key_positions[None, :] >= context_lens[:, None] - window
+        window_mask = mask if max_context_len <= window else mask & recent[:, None, None, :]
     return DecodeBatch(
         token_indices=torch.tensor(rows, dtype=torch.int64, device=device),
         token_slice=slice(rows[0], rows[0] + len(rows)) if contiguous else None,
         block_ids=block_tables[ids, :width].reshape(-1),
-        mask=mask[:, None, None, :],
+        mask=mask,
+        window_mask=window_mask,
     )
 
 
-def _prefill_chunk(start, count, offset, block_row, block_size, device) -> PrefillChunk:
+def _prefill_chunk(start, count, offset, block_row, block_size, device, window) -> PrefillChunk:
     context_len = start + count
+    block_ids = block_row[: -(-context_len // block_size)]
     mask = None
     if start > 0:
-        key_positions = torch.arange(context_len, dtype=torch.int64, device=device)
+        mask = _causal_mask(0, start, context_len, device)
+    window_mask, window_block_ids, window_key_start = mask, block_ids, 0
+    if window is not None and context_len > window:
+        first_block = max(0, start - window + 1) // block_size  # the oldest key any query of the chunk sees
+        window_key_start = first_block * block_size
+        window_block_ids = block_ids[first_block:]
+        causal = _causal_mask(window_key_start, start, context_len, device)
+        key_positions = torch.arange(window_key_start, context_len, dtype=torch.int64, device=device)
         query_positions = torch.arange(start, context_len, dtype=torch.int64, device=device)
-        mask = key_positions[None, :] <= query_positions[:, None]
+        window_mask = causal & (key_positions[None, :] > query_positions[:, None] - window)
     return PrefillChunk(
         token_slice=slice(offset, offset + count),
-        block_ids=block_row[: -(-context_len // block_size)],
+        block_ids=block_ids,
         context_len=context_len,
         mask=mask,
+        window_mask=window_mask,
+        window_block_ids=window_block_ids,
+        window_key_start=window_key_start,
     )
+
+
+def _causal_mask(key_start: int, start: int, context_len: int, device) -> torch.Tensor:
+    """[context_len - start, context_len - key_start]: queries at start.., keys at key_start..; True: attend."""
+    key_positions = torch.arange(key_start, context_len, dtype=torch.int64, device=device)
+    query_positions = torch.arange(start, context_len, dtype=torch.int64, device=device)
+    return key_positions[None, :] <= query_positions[:, None]
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D], k/v [T, H_kv, D], kv_cache [2, num_blocks, block_size, H_kv, D] -> [T, H, D]."""
+    """q [T, H, D], k/v [T, H_kv, D], kv_cache [2, num_blocks, block_size, H_kv, D] -> [T, H, D].
+    scale: of q.k (None: D ** -0.5); window: this layer's sliding window (the one `meta` was built for);
+    softcap: scores -> softcap * tanh(scores / softcap) before masking."""
+    if window is not None and window != meta.sliding_window:
+        raise ValueError(f"a layer with sliding window {window} needs metadata built for it, got {meta.sliding_window}")
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     k_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
     v_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
+    scores = _Scores(scale, window is not None, softcap)
     for group in meta.decode_groups:
-        _decode_attention(q, kv_cache, group, out)
+        _decode_attention(q, kv_cache, group, out, scores)
     if meta.decode_rows is not None:
-        _decode_with_kernel(q, kv_cache, meta.decode_rows, out)
+        _decode_with_kernel(q, kv_cache, meta.decode_rows, out, scale, window, softcap)
     for chunk in meta.prefills:
-        out[chunk.token_slice] = _prefill_attention(q[chunk.token_slice], kv_cache, chunk)
+        out[chunk.token_slice] = _prefill_attention(q[chunk.token_slice], kv_cache, chunk, scores)
     return out
+
+
+class _Scores(NamedTuple):
+    """How a layer scores keys: q.k scale (None: SDPA's default), whether it uses the window masks, soft-cap."""
+
+    scale: float | None
+    windowed: bool
+    softcap: float | None
 
 
 def _gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
@@ -252,14 +323,29 @@ def _gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: in
     return kv_cache.index_select(1, block_ids).view(2, num_seqs, -1, num_kv_heads, head_dim)
 
 
-def _decode_attention(q, kv_cache, batch: DecodeBatch, out: torch.Tensor) -> None:
+def _attend(q, keys, values, mask, scores: _Scores) -> torch.Tensor:
+    """q [..., M, D] against keys/values [..., L, D] (batch dims broadcast), mask broadcastable to [..., M, L]
+    (True: attend; None: causal, M == L). SDPA, or with a soft-cap the same steps written out as transformers'
+    eager attention does them (float32 softmax)."""
+    if scores.softcap is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
+                                              scale=scores.scale)
+    logits = torch.matmul(q, keys.transpose(-1, -2)) * (scores.scale or q.shape[-1] ** -0.5)
+    logits = torch.tanh(logits / scores.softcap) * scores.softcap
+    if mask is None:
+        mask = torch.ones(logits.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    logits = logits.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype), values)
+
+
+def _decode_attention(q, kv_cache, batch: DecodeBatch, out: torch.Tensor, scores: _Scores) -> None:
     """GQA without copying K/V: the G query heads sharing a KV head become G query rows of it."""
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = kv_cache.shape[-2]
     rows = q[batch.token_slice] if batch.token_slice is not None else q[batch.token_indices]
     queries = rows.view(-1, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, H_kv, G, D]
     keys, values = _gather_blocks(kv_cache, batch.block_ids, queries.shape[0]).transpose(2, 3)  # [B, H_kv, L, D]
-    result = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.mask)
+    result = _attend(queries, keys, values, batch.window_mask if scores.windowed else batch.mask, scores)
     result = result.reshape(-1, num_heads, head_dim)
     if batch.token_slice is not None:
         out[batch.token_slice] = result
@@ -267,19 +353,31 @@ def _decode_attention(q, kv_cache, batch: DecodeBatch, out: torch.Tensor) -> Non
         out.index_copy_(0, batch.token_indices, result)
 
 
-def _decode_with_kernel(q, kv_cache, rows: DecodeRows, out: torch.Tensor) -> None:
+def _decode_with_kernel(q, kv_cache, rows: DecodeRows, out: torch.Tensor, scale, window, softcap) -> None:
     queries = q[rows.token_slice] if rows.token_slice is not None else q[rows.token_indices]
-    result = decode_kernel.paged_decode_attention(queries, kv_cache, rows.block_tables, rows.context_lens)
+    result = decode_kernel.paged_decode_attention(
+        queries, kv_cache, rows.block_tables, rows.context_lens, scale=scale, window=window, softcap=softcap
+    )
     if rows.token_slice is not None:
         out[rows.token_slice] = result
     else:
         out.index_copy_(0, rows.token_indices, result)
 
 
-def _prefill_attention(q, kv_cache, chunk: PrefillChunk) -> torch.Tensor:
+def _prefill_attention(q, kv_cache, chunk: PrefillChunk, scores: _Scores) -> torch.Tensor:
     """4-D inputs and enable_gqa: 3-D inputs send SDPA to its slow math kernel on CPU (5x slower)."""
-    keys, values = _gather_blocks(kv_cache, chunk.block_ids, 1)[:, :, : chunk.context_len].transpose(2, 3)
-    result = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None, enable_gqa=True
-    )
-    return result[0].transpose(0, 1)
+    block_ids, key_start, mask = chunk.block_ids, 0, chunk.mask
+    if scores.windowed:
+        block_ids, key_start, mask = chunk.window_block_ids, chunk.window_key_start, chunk.window_mask
+    keys, values = _gather_blocks(kv_cache, block_ids, 1)[:, :, : chunk.context_len - key_start].transpose(2, 3)
+    queries = q.transpose(0, 1)[None]  # [1, H, T, D]
+    if scores.softcap is None:
+        result = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True, scale=scores.scale
+        )
+        return result[0].transpose(0, 1)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[1]
+    grouped = queries.view(num_kv_heads, num_heads // num_kv_heads, num_tokens, head_dim)  # [H_kv, G, T, D]
+    result = _attend(grouped, keys.transpose(0, 1), values.transpose(0, 1), mask, scores)  # K/V [H_kv, 1, L, D]
+    return result.reshape(num_heads, num_tokens, head_dim).transpose(0, 1)

@@ -56,7 +56,9 @@ def load() -> ctypes.CDLL | None:
                 library = ctypes.CDLL(str(target))
                 library.paged_decode_attention_f32.restype = ctypes.c_int
                 library.paged_decode_attention_f32.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7 + [
-                    ctypes.c_float,
+                    ctypes.c_float,  # scale
+                    ctypes.c_int64,  # window
+                    ctypes.c_float,  # softcap
                     ctypes.c_int,
                 ]
                 _loaded = library
@@ -71,16 +73,23 @@ def applies(kv_cache: torch.Tensor) -> bool:
 
 
 def paged_decode_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q [B, H, D] -> [B, H, D]; kv_cache [2, num_blocks, block_size, H_kv, D]; block_tables [B, W] int64."""
+    """q [B, H, D] -> [B, H, D]; kv_cache [2, num_blocks, block_size, H_kv, D]; block_tables [B, W] int64.
+    scale: of q.k (None: D ** -0.5); window: attend to the last `window` keys only; softcap: tanh soft-cap."""
     q = q.contiguous()
     out = torch.empty_like(q)
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     status = load().paged_decode_attention_f32(
         q.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(),
         q.shape[0], q.shape[1], num_kv_heads, head_dim, num_blocks, block_size, block_tables.shape[1],
-        head_dim ** -0.5, torch.get_num_threads(),
+        head_dim ** -0.5 if scale is None else scale, window or 0, softcap or 0.0, torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise RuntimeError(f"decode kernel failed ({status}) for {q.shape[1]} heads, {num_kv_heads} KV heads")

@@ -1,4 +1,4 @@
-"""Loads a Hugging Face safetensors checkpoint into LlamaForCausalLM (fusing q/k/v and gate/up)."""
+"""Loads a Hugging Face safetensors checkpoint into LlamaForCausalLM or GemmaForCausalLM (fusing q/k/v and gate/up)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from flotilla.engine.model.config import ModelConfig
+from flotilla.engine.model.gemma import GemmaForCausalLM
 from flotilla.engine.model.llama import LlamaForCausalLM
 
 # Checkpoint tensors that carry nothing the model needs (old checkpoints saved rope buffers).
@@ -71,6 +72,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
     return model.eval().requires_grad_(False)
 
 
+def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
+    """The module for the config's architecture (Gemma's names its tensors as Llama's do, plus four norms)."""
+    return GemmaForCausalLM if config.is_gemma else LlamaForCausalLM
+
+
 def _safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -93,7 +99,7 @@ def _tensor_names(files: list[Path]) -> set[str]:
 def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, tie: bool) -> LlamaForCausalLM:
     """Allocates uninitialised weights directly in `dtype` on `device` (no random init, no extra copy)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = model_class(config)(config)
     model.to(dtype).to_empty(device=device)
     if tie:
         model.tie_embeddings()  # to_empty gives each use of a shared parameter its own tensor
@@ -183,7 +189,7 @@ def check_checkpoint(model_dir: str | Path) -> ModelConfig:
         raise ValueError(f"{model_dir}: {_declared_architecture(model_dir)}: {error}") from None
     tie = config.tie_word_embeddings or "lm_head.weight" not in names
     with torch.device("meta"):
-        expected = _expected_targets(LlamaForCausalLM(config), config, tie)
+        expected = _expected_targets(model_class(config)(config), config, tie)
     targets = {name: _target(name, config, tie) for name in names}
     unexpected = sorted(name for name, target in targets.items() if target is not None and target not in expected)
     missing = sorted({target.name for target in expected - set(targets.values())})

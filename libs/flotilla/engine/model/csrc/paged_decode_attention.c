@@ -8,20 +8,27 @@
  *   q            [B, H, D]                      out  [B, H, D]
  *   kv (a layer) [2, num_blocks, block_size, KVH, D]
  *   block_tables [B, W] int64, context_lens [B] int64
+ *
+ * window > 0: a sliding-window layer, the query (at context_len - 1) sees only the last `window` keys, and the
+ * older ones are never read. softcap > 0: scores become softcap * tanh(scores / softcap) (Gemma 2). 0 turns
+ * either off.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* One sequence, all heads, three passes: scores (reads K once, token-major so each token's heads are one
- * contiguous read), softmax (vectorised expf over the context), weighted sum of V (reads V once). */
+/* One sequence, all heads, over keys first..context_len-1, three passes: scores (reads K once, token-major so
+ * each token's heads are one contiguous read), softmax (vectorised expf over the keys), weighted sum of V (reads
+ * V once). */
 static void attend_sequence(const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
-                            int64_t context_len, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim, float scale, float *scores, float *out) {
+                            int64_t first, int64_t context_len, int64_t block_size, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, float scale, float softcap, float *scores,
+                            float *out) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
-    for (int64_t t = 0; t < context_len; t++) {
+    const int64_t num_keys = context_len - first;
+    for (int64_t t = first; t < context_len; t++) {
         const float *k_token = k_cache + (table[t / block_size] * block_size + t % block_size) * token_stride;
         for (int64_t h = 0; h < num_heads; h++) {
             const float *k = k_token + (h / group) * head_dim;
@@ -29,28 +36,29 @@ static void attend_sequence(const float *q, const float *k_cache, const float *v
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < head_dim; d++) dot += qh[d] * k[d];
-            scores[h * context_len + t] = dot * scale;
+            const float score = dot * scale;
+            scores[h * num_keys + t - first] = softcap > 0.0f ? softcap * tanhf(score / softcap) : score;
         }
     }
     for (int64_t h = 0; h < num_heads; h++) {
-        float *row = scores + h * context_len;
+        float *row = scores + h * num_keys;
         float max_score = -INFINITY, total = 0.0f;
-        for (int64_t t = 0; t < context_len; t++) max_score = row[t] > max_score ? row[t] : max_score;
+        for (int64_t t = 0; t < num_keys; t++) max_score = row[t] > max_score ? row[t] : max_score;
 #pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < context_len; t++) {
+        for (int64_t t = 0; t < num_keys; t++) {
             row[t] = expf(row[t] - max_score);
             total += row[t];
         }
         const float inv = 1.0f / total;
 #pragma omp simd
-        for (int64_t t = 0; t < context_len; t++) row[t] *= inv;
+        for (int64_t t = 0; t < num_keys; t++) row[t] *= inv;
     }
     memset(out, 0, sizeof(float) * num_heads * head_dim);
-    for (int64_t t = 0; t < context_len; t++) {
+    for (int64_t t = first; t < context_len; t++) {
         const float *v_token = v_cache + (table[t / block_size] * block_size + t % block_size) * token_stride;
         for (int64_t h = 0; h < num_heads; h++) {
             const float *v = v_token + (h / group) * head_dim;
-            const float p = scores[h * context_len + t];
+            const float p = scores[h * num_keys + t - first];
             float *o = out + h * head_dim;
 #pragma omp simd
             for (int64_t d = 0; d < head_dim; d++) o[d] += p * v[d];
@@ -61,7 +69,7 @@ static void attend_sequence(const float *q, const float *k_cache, const float *v
 int paged_decode_attention_f32(const float *q, const float *kv, const int64_t *block_tables,
                                const int64_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,
                                int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
-                               int64_t table_width, float scale, int num_threads) {
+                               int64_t table_width, float scale, int64_t window, float softcap, int num_threads) {
     if (num_kv_heads < 1 || num_heads % num_kv_heads) return -1;
     const float *k_cache = kv;
     const float *v_cache = kv + num_blocks * block_size * num_kv_heads * head_dim;
@@ -72,7 +80,8 @@ int paged_decode_attention_f32(const float *q, const float *kv, const int64_t *b
         float *scores = NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t b = 0; b < num_seqs; b++) {
-            const int64_t needed = num_heads * context_lens[b];
+            const int64_t first = window > 0 && context_lens[b] > window ? context_lens[b] - window : 0;
+            const int64_t needed = num_heads * (context_lens[b] - first);
             if (needed > capacity) {
                 free(scores);
                 capacity = needed;
@@ -84,8 +93,8 @@ int paged_decode_attention_f32(const float *q, const float *kv, const int64_t *b
                 }
             }
             const int64_t row = b * num_heads * head_dim;
-            attend_sequence(q + row, k_cache, v_cache, block_tables + b * table_width, context_lens[b], block_size,
-                            num_heads, num_kv_heads, head_dim, scale, scores, out + row);
+            attend_sequence(q + row, k_cache, v_cache, block_tables + b * table_width, first, context_lens[b],
+                            block_size, num_heads, num_kv_heads, head_dim, scale, softcap, scores, out + row);
         }
         free(scores);
     }
