@@ -9,6 +9,7 @@ from flotilla.engine.errors import InvalidRequestError
 from flotilla.engine.structured_output import StructuredOutput
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 512  # characters: each is searched for and partly held back at every token
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class SamplingParams:
             raise InvalidRequestError("seed", f"must be an integer in [0, 2^63), got {self.seed!r}")
         if len(self.stop) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop", f"must be at most {MAX_STOP_STRINGS} non-empty strings")
+        if any(len(s) > MAX_STOP_LENGTH for s in self.stop):
+            raise InvalidRequestError("stop", f"each stop string must be at most {MAX_STOP_LENGTH} characters")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids", "must be non-negative integers")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):

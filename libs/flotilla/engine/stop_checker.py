@@ -24,13 +24,14 @@ class StopChecker:
         self._stops = request.sampling_params.stop
         self._text = ""  # all text decoded so far (cut at a matched stop string)
         self._num_released = 0
+        self._prefixes = [_PrefixTracker(stop) for stop in self._stops]
 
     def after_token(self, token_id: int, new_text: str, grammar_complete: bool = False) -> StopDecision:
         """Call once per generated token with the detokenizer's new text for it; `grammar_complete`: the
         request's structured output can take no more tokens (it ends here, without waiting for an EOS)."""
         params = self._request.sampling_params
         search_from = max(0, len(self._text) - max((len(s) for s in self._stops), default=0) + 1)
-        self._text += new_text
+        self._append(new_text)
         matched = self._find_stop_string(search_from)
         if matched is not None:
             return self._finish(FinishReason.STOP, matched)
@@ -47,7 +48,7 @@ class StopChecker:
     def replay(self, old_text: str) -> None:
         """A resumed stream: take the text of a token generated (and released) before, on another worker.
         Releasing is deterministic in the text, so the held-back tail is the one that worker held."""
-        self._text += old_text
+        self._append(old_text)
         self._release(len(self._text) - self._held_back_length())
 
     def finish_with(self, final_text: str) -> str:
@@ -69,18 +70,49 @@ class StopChecker:
     def _finish(self, reason: FinishReason, stop_reason: str | int | None) -> StopDecision:
         return StopDecision(reason, stop_reason, self._release(len(self._text)))
 
+    def _append(self, text: str) -> None:
+        self._text += text
+        for tracker in self._prefixes:
+            tracker.feed(text)
+
     def _held_back_length(self) -> int:
         """Length of the longest tail of the text that is a proper prefix of some stop string."""
-        longest = 0
-        for stop in self._stops:
-            for length in range(min(len(stop) - 1, len(self._text)), longest, -1):
-                if self._text.endswith(stop[:length]):
-                    longest = length
-                    break
-        return longest
+        return max((tracker.state for tracker in self._prefixes), default=0)
 
     def _release(self, upto: int) -> str:
         upto = max(upto, self._num_released)
         delta = self._text[self._num_released : upto]
         self._num_released = upto
         return delta
+
+
+class _PrefixTracker:
+    """The longest suffix of the text fed so far that is a proper prefix of `stop`, kept by Knuth-Morris-Pratt:
+    amortized O(1) per character, where testing every prefix length at each token was O(len(stop)^2)."""
+
+    def __init__(self, stop: str):
+        self._stop = stop
+        self._fallback = _prefix_function(stop)
+        self.state = 0
+
+    def feed(self, text: str) -> None:
+        stop, fallback, state = self._stop, self._fallback, self.state
+        for char in text:
+            while state and stop[state] != char:
+                state = fallback[state - 1]
+            if stop[state] == char:
+                state += 1
+            if state == len(stop):  # a whole match (str.find reports it); keep its longest proper border
+                state = fallback[state - 1]
+        self.state = state
+
+
+def _prefix_function(text: str) -> list[int]:
+    """pi[i]: length of the longest proper prefix of text[:i + 1] that is also its suffix."""
+    pi = [0] * len(text)
+    for i in range(1, len(text)):
+        k = pi[i - 1]
+        while k and text[i] != text[k]:
+            k = pi[k - 1]
+        pi[i] = k + (text[i] == text[k])
+    return pi

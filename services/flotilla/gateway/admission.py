@@ -25,6 +25,7 @@ from flotilla.tenancy.headers import anthropic_headers, openai_headers
 from flotilla.tenancy.quota import QuotaState, Reason
 
 DEADLINE_HEADER = "x-flotilla-deadline-ms"
+MAX_DEADLINE_DIGITS = 9  # under 12 days
 RESPONSE_HEADERS_SCOPE_KEY = "flotilla.response_headers"  # sent by RequestContextMiddleware
 _PRIORITIES = {"interactive": Priority.INTERACTIVE, "batch": Priority.BATCH}
 _REFUSALS = {Reason.TOKENS: "tokens per minute", Reason.REQUESTS: "requests per minute",
@@ -83,9 +84,11 @@ def _requested_deadline_s(request: Request) -> float:
     value = request.headers.get(DEADLINE_HEADER)
     if value is None:
         return 0.0
-    if not value.strip().isdigit() or int(value) <= 0:
-        raise GatewayError(ErrorKind.INVALID_REQUEST, f"{DEADLINE_HEADER} must be a positive integer (milliseconds)",
-                           param=DEADLINE_HEADER)
+    # Checked as text first: int() of thousands of digits is slow or refused, and "١٢" is a digit to isdigit().
+    value = value.strip()
+    if not 1 <= len(value) <= MAX_DEADLINE_DIGITS or not value.isascii() or not value.isdigit() or int(value) == 0:
+        raise GatewayError(ErrorKind.INVALID_REQUEST, f"{DEADLINE_HEADER} must be a positive integer of at most "
+                           f"{MAX_DEADLINE_DIGITS} digits (milliseconds)", param=DEADLINE_HEADER)
     return int(value) / 1000
 
 

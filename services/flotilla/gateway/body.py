@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import orjson
 import pydantic
 from starlette.requests import ClientDisconnect, Request
 
@@ -13,6 +13,7 @@ from flotilla.gateway.errors import ClientDisconnected, ErrorKind, GatewayError
 
 ModelT = TypeVar("ModelT", bound=pydantic.BaseModel)
 MAX_REPORTED_ERRORS = 3
+MAX_JSON_DEPTH = 64  # a JSON Schema in response_format is the deepest thing a request carries
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -22,26 +23,42 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
         if not declared.isdigit():
             raise GatewayError(ErrorKind.INVALID_REQUEST, "invalid Content-Length header")
         if int(declared) > max_bytes:
-            raise _too_large(int(declared), max_bytes)
+            raise body_too_large(int(declared), max_bytes)
     chunks: list[bytes] = []
     num_bytes = 0
     try:
         async for chunk in request.stream():
             num_bytes += len(chunk)
             if num_bytes > max_bytes:
-                raise _too_large(num_bytes, max_bytes)
+                raise body_too_large(num_bytes, max_bytes)
             chunks.append(chunk)
     except ClientDisconnect as err:
         raise ClientDisconnected() from err
     return b"".join(chunks)
 
 
+def decode_json(body: bytes) -> Any:
+    """JSON without recursion: orjson refuses nesting past 1024 levels (Python's json module would overflow the
+    stack, a 500), and nothing this API takes nests past MAX_JSON_DEPTH. ValueError for either, and for what
+    json would let through but is not JSON (NaN, Infinity, invalid UTF-8)."""
+    document = orjson.loads(body)
+    depth, level = 0, [document]
+    while level:
+        depth += 1
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+        level = [child for value in level if isinstance(value, (dict, list))
+                 for child in (value.values() if isinstance(value, dict) else value)
+                 if isinstance(child, (dict, list))]
+    return document
+
+
 def parse_body(schema: type[ModelT], body: bytes, check: Callable[[dict[str, Any]], None] | None = None) -> ModelT:
     """Malformed JSON and schema violations are both 400; `param` names the first offending field. `check`
     (field_support.py) refuses unknown and unsupported fields before the schema sees them."""
     try:
-        document = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        document = decode_json(body)
+    except ValueError as err:
         raise GatewayError(ErrorKind.INVALID_REQUEST, f"the request body is not valid JSON: {err}") from err
     if not isinstance(document, dict):
         raise GatewayError(ErrorKind.INVALID_REQUEST, "the request body must be a JSON object")
@@ -73,7 +90,7 @@ def _loc(loc: tuple) -> str:
                     if isinstance(part, int) or (part.isidentifier() and part not in _UNION_MEMBER_NAMES))
 
 
-def _too_large(num_bytes: int, max_bytes: int) -> GatewayError:
+def body_too_large(num_bytes: int, max_bytes: int) -> GatewayError:
     return GatewayError(ErrorKind.REQUEST_TOO_LARGE,
                         f"request body of {num_bytes} bytes exceeds the limit of {max_bytes} bytes",
                         code="request_too_large")

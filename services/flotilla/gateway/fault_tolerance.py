@@ -42,7 +42,8 @@ class FaultTolerance:
 
         app.add_middleware(IdempotencyMiddleware, store=open_store(self.redis), ledger=self.ledger,
                            ttl_s=self.settings.idempotency_ttl_s, max_body_bytes=self.settings.max_body_bytes)
-        app.add_middleware(ResumableStreamMiddleware, grace_s=self.settings.stream_resume_grace_s)
+        app.add_middleware(ResumableStreamMiddleware, grace_s=self.settings.stream_resume_grace_s,
+                           max_body_bytes=self.settings.max_body_bytes)
 
     async def close(self) -> None:
         if self.ledger is not None:

@@ -22,6 +22,7 @@ from typing import Protocol
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from flotilla.gateway.body import decode_json
 from flotilla.gateway.dialects import dialect_for_path, error_response
 from flotilla.gateway.errors import ErrorKind, GatewayError
 
@@ -249,16 +250,16 @@ def _store_key(scope: Scope, key: str) -> str:
 
 def _fingerprint(scope: Scope, body: bytes) -> str:
     try:
-        canonical = json.dumps(json.loads(body), sort_keys=True, separators=(",", ":")).encode()
-    except (ValueError, UnicodeDecodeError):
+        canonical = json.dumps(decode_json(body), sort_keys=True, separators=(",", ":")).encode()
+    except ValueError:  # not JSON (or too deep): the app refuses it; the raw bytes fingerprint it
         canonical = body
     return hashlib.sha256(scope["path"].encode() + b"\n" + canonical).hexdigest()
 
 
 def _is_stream(body: bytes) -> bool:
     try:
-        parsed = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+        parsed = decode_json(body)
+    except ValueError:
         return False
     return isinstance(parsed, dict) and parsed.get("stream") is True
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from flotilla.gateway.body import body_too_large
 from flotilla.gateway.dialects import dialect_for_path, error_response
 from flotilla.gateway.errors import ErrorKind, GatewayError
 from flotilla.gateway.generation import wait_for_disconnect
@@ -34,6 +35,7 @@ OPT_IN_HEADER = b"x-flotilla-resumable"
 STREAM_ID_HEADER = b"x-flotilla-stream-id"
 LAST_EVENT_ID_HEADER = b"last-event-id"
 RECONNECT_PREFIX = "/v1/streams/"
+MAX_EVENT_INDEX_DIGITS = 9
 
 
 @dataclass(eq=False)
@@ -71,9 +73,10 @@ class _Stream:
 
 
 class ResumableStreamMiddleware:
-    def __init__(self, app: ASGIApp, grace_s: float = 30.0):
+    def __init__(self, app: ASGIApp, grace_s: float = 30.0, max_body_bytes: int = 4 * 1024 * 1024):
         self.app = app
         self.grace_s = grace_s
+        self.max_body_bytes = max_body_bytes  # read before the app authenticates: never more than this
         self.streams: dict[str, _Stream] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -94,7 +97,10 @@ class ResumableStreamMiddleware:
 
     # ---- a new resumable request ----------------------------------------------------------------------
     async def _start(self, scope: Scope, receive: Receive, send: Send, headers: dict[bytes, bytes]) -> None:
-        body = await _read_body(receive)
+        body, size = await _read_body(receive, self.max_body_bytes)
+        if body is None:
+            await _refuse(scope, send, body_too_large(size, self.max_body_bytes))
+            return
         stream = _Stream(uuid.uuid4().hex, _caller(headers), scope["path"])
         self.streams[stream.stream_id] = stream
         producer = asyncio.create_task(self._produce(stream, scope, body))
@@ -193,8 +199,13 @@ class ResumableStreamMiddleware:
             return
         last = headers.get(LAST_EVENT_ID_HEADER, b"").decode("latin-1")
         prefix, _, number = last.rpartition(".")
-        after = int(number) if number.isdigit() and prefix in ("", stream_id) else 0
-        await _read_body(receive)
+        # An event index is a short ASCII number; anything else (10,000 digits, other scripts' digits) means 0.
+        is_index = number.isascii() and number.isdigit() and len(number) <= MAX_EVENT_INDEX_DIGITS
+        after = int(number) if is_index and prefix in ("", stream_id) else 0
+        body, size = await _read_body(receive, self.max_body_bytes)
+        if body is None:
+            await _refuse(scope, send, body_too_large(size, self.max_body_bytes))
+            return
         await self._serve(stream, min(after, len(stream.events)), receive, send)
 
 
@@ -209,20 +220,30 @@ def _caller(headers: dict[bytes, bytes]) -> str:
     return hashlib.sha256(credential.strip()).hexdigest()
 
 
-async def _read_body(receive: Receive) -> bytes:
-    body = b""
+async def _read_body(receive: Receive, limit: int) -> tuple[bytes | None, int]:
+    """(the body, its size), or (None, bytes so far) as soon as it grows past `limit`: the rest is never read."""
+    chunks: list[bytes] = []
+    size = 0
     while True:
         message = await receive()
         if message["type"] != "http.request":
-            return body
-        body += message.get("body", b"")
+            return b"".join(chunks), size
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None, size
+        chunks.append(chunk)
         if not message.get("more_body", False):
-            return body
+            return b"".join(chunks), size
 
 
 async def _not_found(scope: Scope, send: Send, stream_id: str) -> None:
-    err = GatewayError(ErrorKind.NOT_FOUND, f"no resumable stream {stream_id!r} here (ended more than the grace "
-                       "period ago, never existed, or started with another API key)", param="Last-Event-ID")
+    await _refuse(scope, send, GatewayError(
+        ErrorKind.NOT_FOUND, f"no resumable stream {stream_id!r} here (ended more than the grace period ago, never "
+        "existed, or started with another API key)", param="Last-Event-ID"))
+
+
+async def _refuse(scope: Scope, send: Send, err: GatewayError) -> None:
     path = scope["path"] if scope["path"] in GENERATION_PATHS else "/v1/chat/completions"
     response = error_response(dialect_for_path(path), err, 1)
 

@@ -1,0 +1,53 @@
+"""Bodies and headers an attacker sends: each is a 400 in the dialect's error shape, never a 500, and costs
+the gateway no more than reading it."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+ROUTES = {"/v1/chat/completions": {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5},
+          "/v1/messages": {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5}}
+
+
+def _post(gateway, path: str, content: bytes | None = None, json: dict | None = None, **headers: str):
+    return httpx.post(gateway.base_url + path, content=content, json=json, timeout=10,
+                      headers={"x-api-key": gateway.paid_key, "content-type": "application/json", **headers})
+
+
+def _assert_dialect_400(response: httpx.Response, path: str) -> dict:
+    assert response.status_code == 400, response.text
+    body = response.json()
+    if path == "/v1/messages":
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+        return body["error"]
+    assert body["error"]["type"] == "invalid_request_error"
+    return body["error"]
+
+
+@pytest.mark.parametrize("path", ROUTES)
+@pytest.mark.parametrize("depth", [65, 1_100, 30_000])  # past our limit, past orjson's, past the stack
+def test_deeply_nested_json(gateway, path, depth):
+    body = b'{"model": "tiny", "max_tokens": 5, "messages": ' + b"[" * depth + b"]" * depth + b"}"
+    error = _assert_dialect_400(_post(gateway, path, content=body), path)
+    assert "not valid JSON" in error["message"]
+
+
+@pytest.mark.parametrize("path", ROUTES)
+@pytest.mark.parametrize("value", ["9" * 5000, "١٢٣".encode(), "-5", "0", "1e3", "12 34"])
+def test_deadline_header_is_parsed_strictly(gateway, path, value):
+    # Bytes go on the wire as they are: Arabic-Indic digits in UTF-8, which str.isdigit() would accept.
+    error = _assert_dialect_400(_post(gateway, path, json=ROUTES[path], **{"x-flotilla-deadline-ms": value}), path)
+    assert "x-flotilla-deadline-ms" in error["message"]
+
+
+@pytest.mark.parametrize("stop", [["x" * 20_000] * 2, ["x" * 513], ["a"] * 17])
+def test_stop_strings_are_bounded(gateway, stop):
+    body = {**ROUTES["/v1/chat/completions"], "stop": stop}
+    error = _assert_dialect_400(_post(gateway, "/v1/chat/completions", json=body), "/v1/chat/completions")
+    assert error["param"] == "stop"
+
+
+def test_nan_is_not_json(gateway):
+    body = b'{"model": "tiny", "max_tokens": 5, "temperature": NaN, "messages": [{"role": "user", "content": "x"}]}'
+    _assert_dialect_400(_post(gateway, "/v1/chat/completions", content=body), "/v1/chat/completions")
