@@ -22,8 +22,9 @@ from .test_worker_failure import SEED_BASE, _killer
 NUM_STREAMS = 24
 SCHEMA = {"type": "object",
           "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
-                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 3},
-                                  "minItems": 4, "maxItems": 4}},
+                         # Long enough (~80 tokens) that the victim's streams are mid-output when it dies.
+                         "tags": {"type": "array", "items": {"type": "string", "minLength": 2, "maxLength": 3},
+                                  "minItems": 16, "maxItems": 16}},
           "required": ["id", "tags"], "additionalProperties": False}
 
 
@@ -55,7 +56,7 @@ async def test_kill_9_mid_stream_keeps_every_output_inside_the_schema(two_worker
     reference = await _run(two_workers)
     assert all(r.error is None and r.finish_reason == "stop" for r in reference)
     victim = two_workers.fleet.workers[1]
-    results = await _run(two_workers, _killer(victim, 2))
+    results = await _run(two_workers, _killer(victim, 3))
     assert not victim.is_running()
     assert [r.error for r in results] == [None] * NUM_STREAMS
     for result in results:
