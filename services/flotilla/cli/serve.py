@@ -10,9 +10,14 @@ from flotilla.worker.check_settings import CheckSettings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    worker = subparsers.add_parser("worker", help="serve one model checkpoint (WorkerService)")
+    worker = subparsers.add_parser("worker", help="serve one model checkpoint (WorkerService), or a fixed "
+                                                  "run_batch contract (--backend fixed-batch)")
     _add_common(worker)
-    worker.add_argument("--model-dir", required=True, help="Hugging Face checkpoint directory")
+    worker.add_argument("--backend", choices=("engine", "fixed-batch"), default="engine",
+                        help="engine: the token engine (Generate); fixed-batch: run_batch(inputs) -> outputs, "
+                             "batched by the router (POST /v1/batch-generate)")
+    worker.add_argument("--model-dir", default=None,
+                        help="Hugging Face checkpoint directory (required by the engine and the engine run_batch)")
     worker.add_argument("--model-name", default="", help="served name (default: the directory's name)")
     worker.add_argument("--router", default=None, help="router host:port to register with")
     worker.add_argument("--worker-id", default="", help="default: worker-<random>")
@@ -47,6 +52,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "answer takes the worker out of rotation")
     worker.add_argument("--output-check-busy-interval-s", type=float, default=CheckSettings.busy_interval_s,
                         help="the same check's interval while requests run")
+    fixed = worker.add_argument_group("fixed-batch backend")
+    fixed.add_argument("--run-batch", default=None, metavar="MODULE:NAME",
+                       help="a run_batch(list[str]) -> list[str] callable, or a factory with from_options(BatchOptions) "
+                            "(default: the simulated accelerator, flotilla.worker.fixed_batch.simulated:"
+                            "SimulatedAccelerator; the engine's: flotilla.worker.fixed_batch.engine_batch:EngineBatch)")
+    fixed.add_argument("--max-batch-size", type=int, default=50, help="B: inputs per run_batch call")
+    fixed.add_argument("--batch-latency-ms", type=float, default=200.0,
+                       help="L: what one call takes (the simulated accelerator sleeps exactly this; the router "
+                            "derives its flush wait from it)")
+    fixed.add_argument("--max-tokens", type=int, default=16, help="the engine run_batch's greedy output length")
     worker.set_defaults(func=run_worker)
 
     router = subparsers.add_parser("router", help="place requests on workers and relay their streams")
@@ -63,6 +78,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     router.add_argument("--idle-tenant-extra-slots", type=int, default=1,
                         help="requests a worker may take over --max-requests-per-worker for tenants with nothing "
                              "in flight (their first request starts at once; 0: off)")
+    batch = router.add_argument_group("fixed-batch models (workers started with --backend fixed-batch)")
+    batch.add_argument("--batch-latency-budget-ms", type=float, default=500.0,
+                       help="p95 end-to-end budget; the flush wait T defaults to budget - 2 L")
+    batch.add_argument("--batch-max-wait-ms", type=float, default=None,
+                       help="T: flush a partial batch once its oldest call waited this long (default: from the budget)")
+    batch.add_argument("--batch-max-attempts", type=int, default=3, help="workers one batch may run on")
+    batch.add_argument("--batch-call-timeout-s", type=float, default=30.0,
+                       help="a RunBatch taking longer counts as a worker failure")
+    batch.add_argument("--batch-max-queue-depth", type=int, default=100_000,
+                       help="waiting calls per model; beyond: 529 at once")
     router.set_defaults(func=run_router)
 
 
@@ -85,6 +110,10 @@ def run_worker(args: argparse.Namespace) -> int:
     from flotilla.cli.up import check_model
 
     _configure_logging(args.log_level)
+    if args.backend == "fixed-batch":
+        return run_fixed_batch_worker(args)
+    if not args.model_dir:
+        raise SystemExit("flotilla worker: --model-dir is required")
     check_model(args.model_dir, "flotilla worker")
     engine = EngineConfig(
         model_dir=args.model_dir,
@@ -125,7 +154,28 @@ def run_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_fixed_batch_worker(args: argparse.Namespace) -> int:
+    from flotilla.worker.fixed_batch.contract import ENGINE, SIMULATED, BatchOptions
+    from flotilla.worker.fixed_batch.server import FixedBatchConfig, serve
+
+    run_batch = args.run_batch or SIMULATED
+    if run_batch == ENGINE and not args.model_dir:
+        raise SystemExit("flotilla worker: the engine run_batch needs --model-dir")
+    try:
+        config = FixedBatchConfig(
+            model_name=args.model_name, run_batch=run_batch,
+            options=BatchOptions(args.max_batch_size, args.batch_latency_ms, args.model_dir, args.max_tokens,
+                                 args.device),
+            host=args.host, port=args.port, port_file=args.port_file, advertise_host=args.advertise_host,
+            worker_id=args.worker_id, router_address=args.router, shutdown_grace_s=args.shutdown_grace_s)
+    except ValueError as err:
+        raise SystemExit(f"flotilla worker: {err}") from None
+    run_service(serve(config))
+    return 0
+
+
 def run_router(args: argparse.Namespace) -> int:
+    from flotilla.router.batch_dispatcher import BatchSettings
     from flotilla.router.config import RouterConfig
     from flotilla.router.placement import PlacementLimits
     from flotilla.router.server import serve
@@ -142,6 +192,8 @@ def run_router(args: argparse.Namespace) -> int:
         max_queue_wait_s=args.max_queue_wait_s,
         limits=PlacementLimits(args.max_queued_tokens_per_worker, args.max_requests_per_worker,
                                args.idle_tenant_extra_slots),
+        batch=BatchSettings(args.batch_latency_budget_ms, args.batch_max_wait_ms, args.batch_max_attempts,
+                            args.batch_call_timeout_s, args.batch_max_queue_depth, args.max_queue_wait_s),
         metrics_port=args.metrics_port,
         metrics_port_file=args.metrics_port_file,
     )

@@ -11,7 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from flotilla.gateway import anthropic_api, health, models_api, openai_api
+from flotilla.gateway import anthropic_api, batch_api, health, models_api, openai_api
 from flotilla.gateway.context import GatewayContext, RequestContextMiddleware
 from flotilla.gateway.dialects import dialect_for_path, error_response, http_error
 from flotilla.tenancy.keys import KeyStore
@@ -61,6 +61,7 @@ def _add_routes(app: FastAPI) -> None:
     app.add_api_route("/v1/messages/count_tokens", anthropic_api.count_tokens, methods=["POST"])
     app.add_api_route("/v1/chat/completions", openai_api.create_chat_completion, methods=["POST"])
     app.add_api_route("/v1/completions", openai_api.create_completion, methods=["POST"])
+    app.add_api_route("/v1/batch-generate", batch_api.batch_generate, methods=["POST"])
     app.add_api_route("/v1/models", models_api.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", models_api.get_model, methods=["GET"])
     app.add_api_route("/healthz", health.healthz, methods=["GET"])

@@ -28,6 +28,7 @@ from flotilla.gateway.errors import ErrorKind, GatewayError
 
 HEADER = "idempotency-key"
 GENERATION_PATHS = frozenset({"/v1/messages", "/v1/chat/completions", "/v1/completions"})
+IDEMPOTENT_PATHS = GENERATION_PATHS | {"/v1/batch-generate"}  # fixed-batch models (batch_api.py) too
 KEY_PREFIX = "flotilla:idem:"
 MAX_KEY_LENGTH = 256
 STORED_STATUSES = frozenset({200, 400, 401, 403, 404, 413})  # final answers; anything else may be retried
@@ -232,7 +233,7 @@ class IdempotencyMiddleware:
 
 
 def _idempotency_key(scope: Scope) -> str | None:
-    if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
+    if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in IDEMPOTENT_PATHS:
         return None
     for name, value in scope["headers"]:
         if name == HEADER.encode():

@@ -10,6 +10,7 @@ from flotilla.api.common.v1 import common_pb2 as common
 from flotilla.api.router.v1 import router_pb2, router_pb2_grpc
 from flotilla.engine.tokenizer_files import MAX_TOTAL_BYTES
 from flotilla.rpc.convert import stream_event
+from flotilla.rpc.batch_session import BatchSessionClient
 from flotilla.rpc.model_assets import receive_assets
 from flotilla.rpc.options import aio_channel
 from flotilla.rpc.session_client import SessionClient, SessionStream
@@ -28,6 +29,9 @@ class RouterBackend(Protocol):
         """The request's events; the iterator's `aclose()` cancels an unfinished call."""
 
     async def list_models(self) -> list[common.ModelInfo]: ...
+
+    async def batch_generate(self, call: router_pb2.BatchCall) -> router_pb2.BatchResult:
+        """One call of a fixed-batch model, answered once; raises grpc.RpcError when the router is gone."""
 
     async def get_model_assets(self, digest: str) -> dict[str, bytes]: ...
 
@@ -81,10 +85,14 @@ class RouterClient:
         # Every request's stream rides one GenerateSession call: a step's tokens for all of them arrive
         # in one message instead of one message per request.
         self._session = SessionClient(self._stub.GenerateSession)
+        self._batches = BatchSessionClient(self._stub.BatchGenerateSession)  # fixed-batch calls, on one stream
 
     def generate(self, request: common.GenerateRequest, metadata: Sequence[tuple[str, str]] = ()) -> RouterStream:
         """`metadata`: gRPC metadata for the call (trace context, tier)."""
         return RouterStream(self._session.generate(request, metadata))
+
+    async def batch_generate(self, call: router_pb2.BatchCall) -> router_pb2.BatchResult:
+        return await self._batches.call(call)
 
     async def list_models(self) -> list[common.ModelInfo]:
         response = await self._stub.ListModels(router_pb2.ListModelsRequest(), timeout=self._list_timeout_s)
@@ -99,4 +107,5 @@ class RouterClient:
 
     async def close(self) -> None:
         self._session.close()
+        self._batches.close()
         await self._channel.close()

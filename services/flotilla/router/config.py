@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from flotilla.router.batch_dispatcher import BatchSettings
 from flotilla.router.placement import PlacementLimits
 
 
@@ -21,6 +22,7 @@ class RouterConfig:
     max_queue_depth: int = 1024  # per model; beyond: OVERLOADED at once
     max_queue_wait_s: float = 30.0  # a queued request gives up after this (or its deadline)
     limits: PlacementLimits = field(default_factory=PlacementLimits)
+    batch: BatchSettings = field(default_factory=BatchSettings)  # fixed-batch models (batch_dispatcher.py)
     shutdown_grace_s: float = 5.0
     metrics_port: int | None = None  # Prometheus /metrics on host:port (0 = any free port); None = off
     metrics_port_file: str | None = None  # where the bound metrics port is written

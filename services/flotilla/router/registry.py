@@ -48,6 +48,7 @@ class WorkerEntry:
     was_healthy: bool = True  # for logging health transitions once
     state: int = rpb.WORKER_STATE_ACTIVE  # warm and draining workers get no new work (autoscaler)
     _session: SessionClient | None = None  # Generate streams multiplexed on one call (rpc/session_client.py)
+    _batch_stub: worker_pb2_grpc.FixedBatchServiceStub | None = None
 
     @property
     def worker_id(self) -> str:
@@ -63,6 +64,17 @@ class WorkerEntry:
     @property
     def model_name(self) -> str:
         return self.info.model.name
+
+    @property
+    def is_fixed_batch(self) -> bool:
+        """A fixed-batch worker (WorkerInfo.fixed_batch): RunBatch only, never a Generate stream."""
+        return self.info.HasField("fixed_batch")
+
+    @property
+    def batch_stub(self) -> worker_pb2_grpc.FixedBatchServiceStub:
+        if self._batch_stub is None:
+            self._batch_stub = worker_pb2_grpc.FixedBatchServiceStub(self.channel)
+        return self._batch_stub
 
     @property
     def version(self) -> str:
@@ -216,13 +228,24 @@ class WorkerRegistry:
 
     def _all_healthy(self, name: str, version: str) -> list[WorkerEntry]:
         return [
-            e for e in self._workers.values()
+            e for e in self._token_workers()
             if e.model_name == name and e.version == version and self.is_healthy(e)
             and e.state == rpb.WORKER_STATE_ACTIVE
         ]
 
     def has_healthy_worker(self, name: str) -> bool:
-        return any(e.model_name == name and self.is_healthy(e) for e in self._workers.values())
+        return any(e.model_name == name and self.is_healthy(e) for e in self._token_workers())
+
+    def _token_workers(self) -> list[WorkerEntry]:
+        """Workers of the token path (Generate); fixed-batch workers are the batch dispatcher's."""
+        return [e for e in self._workers.values() if not e.is_fixed_batch]
+
+    def fixed_batch_workers(self, name: str) -> list[WorkerEntry]:
+        """Fixed-batch workers of a model, in any state and health (the dispatcher filters)."""
+        return [e for e in self._workers.values() if e.is_fixed_batch and e.model_name == name]
+
+    def can_take_batch(self, entry: WorkerEntry) -> bool:
+        return self.is_healthy(entry) and entry.state == rpb.WORKER_STATE_ACTIVE
 
     def record_placement(self, entry: WorkerEntry, num_prompt_tokens: int) -> None:
         entry.num_placed_requests += 1
@@ -262,7 +285,7 @@ class WorkerRegistry:
 
     def model_versions(self) -> list[ModelVersionRef]:
         refs: dict[tuple[str, str], ModelVersionRef] = {}
-        for entry in self._workers.values():
+        for entry in self._token_workers():
             key = (entry.model_name, entry.version)
             old = refs.get(key)
             healthy = self.is_healthy(entry) or (old is not None and old.has_healthy_worker)
@@ -271,7 +294,7 @@ class WorkerRegistry:
         return list(refs.values())
 
     def model_info(self, name: str, version: str) -> pb.ModelInfo | None:
-        for entry in self._workers.values():
+        for entry in self._token_workers():
             if entry.model_name == name and entry.version == version:
                 return entry.info.model
         return None

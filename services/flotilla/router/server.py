@@ -8,6 +8,7 @@ import logging
 
 from flotilla.api.router.v1 import router_pb2_grpc
 from flotilla.router.admission import Admission
+from flotilla.router.batch_dispatcher import BatchDispatcher
 from flotilla.router.config import RouterConfig
 from flotilla.router.models import expected_names
 from flotilla.router.registry import WorkerRegistry
@@ -35,14 +36,17 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         config.max_queue_depth,
         config.max_queue_wait_s,
     )
+    batches = BatchDispatcher(registry, config.batch, frozenset(config.model_names))
     server = aio_server()
     metrics = RouterMetrics()
     router_pb2_grpc.add_RouterServiceServicer_to_server(
-        RouterService(registry, admission, dict(config.aliases), config.heartbeat_interval_s, metrics), server
+        RouterService(registry, admission, dict(config.aliases), config.heartbeat_interval_s, metrics, batches),
+        server,
     )
     port = bind(server, config.host, config.port)
     await server.start()
     sweeper = asyncio.create_task(_sweep_forever(registry, config.heartbeat_timeout_s / 4))
+    dispatcher = asyncio.create_task(batches.run_forever())
     metrics_server = None
     if config.metrics_port is not None:
         metrics_server = serve_metrics(metrics.registry, config.host, config.metrics_port, config.metrics_port_file)
@@ -53,9 +57,10 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         logger.info("router stopping")
         if metrics_server is not None:
             metrics_server.stop()
-        sweeper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await sweeper
+        for task in (sweeper, dispatcher):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await server.stop(config.shutdown_grace_s)
         await registry.close()
 

@@ -12,10 +12,12 @@ from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.router.v1 import router_pb2_grpc
 from flotilla.engine.tokenizer_files import MAX_TOTAL_BYTES
 from flotilla.rpc.convert import error_response, stream_event
+from flotilla.rpc.batch_session import serve_batch_session
 from flotilla.rpc.model_assets import MalformedAssetsError, asset_chunks, receive_assets
 from flotilla.rpc.session_server import serve_session
 from flotilla.rpc.stream_events import Chunk, StreamEvent
 from flotilla.router.admission import Admission, Placement, RouterError, Ticket
+from flotilla.router.batch_dispatcher import BatchDispatcher
 from flotilla.router.disagg_planner import DisaggPlanner
 from flotilla.router.model_assets import RejectedAssetsError
 from flotilla.router.failover import DEFAULT_MAX_ATTEMPTS, StreamProgress, WorkerLost
@@ -41,6 +43,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         aliases: dict[str, str],
         heartbeat_interval_s: float,
         metrics: RouterMetrics | None = None,
+        batches: BatchDispatcher | None = None,
     ):
         self._registry = registry
         self._admission = admission
@@ -49,6 +52,21 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         self.traffic = TrafficWindow()  # TTFT and token mix for GetPoolSignals (autoscaler)
         self.metrics = metrics or RouterMetrics()
         self._disagg = DisaggPlanner(registry, getattr(admission, "_limits", None))
+        self.batches = batches  # fixed-batch models (batch_dispatcher.py); None: BatchGenerateSession refused
+
+    # ---- fixed-batch models ------------------------------------------------------------------------
+    async def BatchGenerateSession(self, calls, context: grpc.aio.ServicerContext) -> None:
+        """Calls of fixed-batch models, batched onto their workers' RunBatch (rpc/batch_session.py)."""
+        if self.batches is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this router has no batch dispatcher")
+        batches = self.batches
+        await serve_batch_session(calls, context, batches.submit,
+                                  lambda pending, call: batches.cancel(pending, call.model))
+
+    def _membership_changed(self) -> None:
+        self._admission.dispatch()
+        if self.batches is not None:
+            self.batches.wake()
 
     # ---- generation --------------------------------------------------------------------------------
     async def GenerateSession(self, actions, context: grpc.aio.ServicerContext) -> None:
@@ -231,7 +249,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         if not info.worker_id or not info.address or not info.model.name or not info.model.version:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker_id, address and model name/version needed")
         self._registry.register(info)
-        self._admission.dispatch()
+        self._membership_changed()
         digest = info.model.assets_digest
         return rpb.RegisterWorkerResponse(heartbeat_interval_ms=self._heartbeat_interval_ms,
                                           send_model_assets=bool(digest) and not self._registry.assets.has(digest))
@@ -257,7 +275,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
     ) -> rpb.HeartbeatResponse:
         known = self._registry.heartbeat(request.worker_id, request.load)
         if known:
-            self._admission.dispatch()
+            self._membership_changed()
         return rpb.HeartbeatResponse(known=known)
 
     async def DeregisterWorker(
@@ -278,7 +296,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         if not request.worker_id or request.state == rpb.WORKER_STATE_UNSPECIFIED:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker_id and a state needed")
         registered, previous = self._registry.set_state(request.worker_id, request.state)
-        self._admission.dispatch()  # a promoted worker takes queued requests at once
+        self._membership_changed()  # a promoted worker takes queued requests at once
         return rpb.SetWorkerStateResponse(registered=registered, previous=previous)
 
     async def GetPoolSignals(
