@@ -25,9 +25,13 @@ from tests.support.waiting import async_wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 # GAIE's CRD is not part of this repository (Flotilla does not bundle it): the test reads a release's file from
-# FLOTILLA_GAIE_CRD or .cache/gaie/ (config/crd/bases/inference.networking.k8s.io_inferencepools.yaml of v1.6.0).
-GAIE_CRD = Path(os.environ.get("FLOTILLA_GAIE_CRD",
-                               ROOT / ".cache/gaie/v1.6.0/inference.networking.k8s.io_inferencepools.yaml"))
+# FLOTILLA_GAIE_CRD, .cache/gaie/ or ../shared/gaie/ (config/crd/bases/inference.networking.k8s.io_inferencepools.yaml
+# of v1.6.0).
+# The steering repository's shared/ (beside the checkout, as CI lays it) may hold it as a data file too.
+_CRD_FILE = "gaie/v1.6.0/inference.networking.k8s.io_inferencepools.yaml"
+_CANDIDATES = [Path(os.environ["FLOTILLA_GAIE_CRD"])] if os.environ.get("FLOTILLA_GAIE_CRD") else [
+    ROOT / ".cache" / _CRD_FILE, ROOT.parent / "shared" / _CRD_FILE]
+GAIE_CRD = next((path for path in _CANDIDATES if path.exists()), _CANDIDATES[0])
 TARGET = gaie.GatewayTarget(selector={"app.kubernetes.io/instance": "flotilla",
                                       "app.kubernetes.io/component": "gateway"}, port=8080, mode="auto")
 GAIE_RESOURCE = f"{gaie.GROUP}/{gaie.VERSION}/{gaie.PLURAL}"
