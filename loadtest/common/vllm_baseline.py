@@ -15,7 +15,7 @@ from loadtest.common.throughput import Throughput
 
 # Runs under vLLM's interpreter: argv[1] is a JSON file with model_dir, prompts, max_tokens.
 VLLM_SCRIPT = '''
-import json, sys, time
+import json, os, sys, time
 
 import vllm
 from vllm import LLM, SamplingParams
@@ -24,6 +24,9 @@ from vllm import LLM, SamplingParams
 def main():
     spec = json.load(open(sys.argv[1]))
     extra = {"max_num_seqs": spec["max_num_seqs"]} if spec.get("max_num_seqs") else {}
+    # On CPU this is the share of RAM vLLM checks is free at start-up (0.92 by default): with other processes
+    # on the machine that check fails although the KV cache (VLLM_CPU_KVCACHE_SPACE) fits.
+    extra["gpu_memory_utilization"] = float(os.environ.get("FLOTILLA_VLLM_MEMORY_UTILIZATION", "0.5"))
     llm = LLM(model=spec["model_dir"], dtype="float32", seed=0, max_model_len=spec["max_model_len"], **extra)
     params = [SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0) for n in spec["max_tokens"]]
     prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
