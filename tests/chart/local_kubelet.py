@@ -201,12 +201,11 @@ class LocalKubelet:
                 os.killpg(container.popen.pid, signal.SIGKILL)
                 container.popen.wait()
 
-    def endpoint(self, service_name: str, port_name: str) -> str:
-        """host:port where a Service's named port reaches its pod."""
+    def endpoint(self, service_name: str, port: int | str) -> str:
+        """host:port where a Service's port (its number or name) reaches its pod."""
         service = next(s for s in self.services if s["metadata"]["name"] == service_name)
-        port = next(p for p in service["spec"]["ports"] if p.get("name") == port_name)
-        container = self._backend(service, ServicePort(port_name, port["port"], port.get("targetPort", port["port"])))
-        return f"{container.pod.ip}:{container.port(port.get('targetPort', port['port']))}"
+        spec = next(p for p in service["spec"]["ports"] if port in (p["port"], p.get("name")))
+        return self._service_address(service, spec["port"])
 
     def endpoint_of(self, pod: Pod, container: str, port_name: str) -> str:
         """host:port of a pod's named container port (what a scrape or a port-forward reaches)."""

@@ -3,7 +3,8 @@ container runs as a local process with its own command, args and env (tests/char
 on loopback, Service names rewritten to them, volumes as temporary directories, Secrets and ConfigMaps as files
 and env), the worker pods as the operator builds them from the rendered FlotillaPools, the model volume holding
 a tiny random checkpoint. Then the real `openai` and `anthropic` SDKs call the gateway through its Service,
-streamed and not, and every container's probes must pass. Redis (disaggregated example) is Debian's
+streamed and not, at the Service and port the rendered Ingress (default values) or HTTPRoute (the
+disaggregated example) forwards to, and every container's probes must pass. Redis (disaggregated example) is Debian's
 redis-server running the rendered StatefulSet's command and ConfigMap.
 
 The operator's own pod is not run here: it needs an API server (tests/operator runs it against kmock)."""
@@ -47,9 +48,12 @@ class Release:
     model: str
     api_key: str
 
+    route: tuple[str, int | str]  # the Service and port the release's Ingress or HTTPRoute sends clients to
+
     @property
     def gateway_url(self) -> str:
-        return f"http://{self.kubelet.endpoint(f'{NAMESPACE}-gateway', 'http')}"
+        """Where the Ingress controller or Gateway would forward a client's request."""
+        return f"http://{self.kubelet.endpoint(*self.route)}"
 
 
 def _rendered(case: str, tmp: Path) -> list[dict]:
@@ -112,9 +116,19 @@ def release(request, tmp_path_factory, tiny_checkpoint) -> Release:
             kubelet.wait_ready(pod, READY_TIMEOUT_S)
             if _component(pod) == "redis":
                 api_key = _create_redis_key(kubelet, redis_password)
-        yield Release(case, kubelet, pods, model, api_key)
+        yield Release(case, kubelet, pods, model, api_key, _route(docs))
     finally:
         kubelet.stop_all()
+
+
+def _route(docs: list[dict]) -> tuple[str, int | str]:
+    """The backend of the rendered Ingress (default values) or HTTPRoute (the disaggregated example)."""
+    (route,) = [d for d in docs if d["kind"] in ("Ingress", "HTTPRoute")]
+    if route["kind"] == "Ingress":
+        backend = route["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+        return backend["name"], backend["port"].get("name") or backend["port"]["number"]
+    backend = route["spec"]["rules"][0]["backendRefs"][0]
+    return backend["name"], backend["port"]
 
 
 def _create_redis_key(kubelet: LocalKubelet, password: str) -> str:
