@@ -95,6 +95,10 @@ SCHEMA = {
             "hostnames": {"type": "array", "maxItems": 16, "items": HOSTNAME}, "path": PATH,
             "timeouts": {"type": "object", "additionalProperties": False, "properties": {
                 k: {"type": "string", "pattern": GO_DURATION} for k in ("request", "backendRequest")}}}},
+        "kvTransfer": {"type": "object", "additionalProperties": False, "properties": {
+            "ucx": {"type": "object", "additionalProperties": False, "required": ["netDevices"], "properties": {
+                "netDevices": {"type": "string", "pattern": r"^(all|[A-Za-z0-9_.-]+(:[0-9]+)?(,[A-Za-z0-9_.-]+(:[0-9]+)?)*)$"},
+                "transports": {"type": "string", "pattern": r"^(\^?[a-z0-9_]+(,[a-z0-9_]+)*)?$"}}}}},
         "keys": {"type": "object", "additionalProperties": False, "properties": {
             "existingSecret": {"type": "string"}, "keysJson": {"type": "string"},
             "limits": {"type": "object", "properties": {"maxBodyBytes": {"type": "integer", "minimum": 1}}}}},
