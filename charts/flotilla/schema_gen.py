@@ -62,6 +62,12 @@ ROLE = {
         "metricsPort": {"type": "integer", "minimum": 1, "maximum": 65535},
         "intervalSeconds": {"type": "number", "exclusiveMinimum": 0},
         "rbac": {"type": "object", "properties": {"create": {"type": "boolean"}}, "additionalProperties": False},
+        "watchNamespaces": {"type": "array", "uniqueItems": True,
+                            "items": {"type": "string", "pattern": r"^[a-z0-9*?]([-a-z0-9*?]*[a-z0-9*?])?$"}},
+        "podPolicy": {"type": "object", "additionalProperties": False, "properties": {
+            "extraImages": {"type": "array", "items": {"type": "string", "pattern": r"^[^:@\s]+(:[0-9]+/[^:@\s]+)?$",
+                                                       "description": "a repository, without tag or digest"}},
+            "allowHostPath": {"type": "boolean"}}},
         "gatewayApiInferencePool": {"type": "object", "additionalProperties": False, "properties": {
             "mode": {"enum": ["auto", "on", "off"]},
             "endpointPicker": {"type": "string", "pattern": "^([a-z0-9-]+(:[0-9]+)?)?$"}}},

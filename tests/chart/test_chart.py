@@ -69,7 +69,7 @@ def test_rendered_is_valid_kubernetes_strict(rendered):
         if doc["kind"] in CUSTOM_KINDS:
             continue
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
-    assert {"CustomResourceDefinition", "Deployment", "Service", "ClusterRole", "FlotillaPool"} <= kinds
+    assert {"CustomResourceDefinition", "Deployment", "Service", "Role", "FlotillaPool"} <= kinds
 
 
 def test_pools_are_valid_custom_resources_and_build_valid_workloads(rendered):
