@@ -48,6 +48,7 @@ UNIT_PATHS = (
     "models",
     "observability",
     "operator/test_manifests.py",
+    "operator/test_pod_policy.py",
     "operator/test_ratio.py",
     "router",
     "rpc/test_convert.py",

@@ -17,6 +17,9 @@ REDIS_IMAGE = {**IMAGE, "properties": {**IMAGE["properties"], "tag": {
     "type": "string", "pattern": r"^(7\.4\.([6-9]|[1-9][0-9])|7\.([5-9]|[1-9][0-9])\.[0-9]+|([8-9]|[1-9][0-9])\.[0-9]+\.[0-9]+)(-[a-z0-9.]+)?$",
     "description": ">= 7.4.6"}}}
 PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
+HOSTNAME = {"type": "string", "pattern": r"^(\*\.)?[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"}
+PATH = {"type": "string", "pattern": "^/"}
+GO_DURATION = r"^([0-9]{1,5}(h|m|s|ms)){1,4}$"  # Gateway API's Duration (GEP-2257)
 SELECTOR_PAIR = {"type": "object", "additionalProperties": False, "required": ["namespaceSelector", "podSelector"],
                  "properties": {"namespaceSelector": {"type": "object"}, "podSelector": {"type": "object"}}}
 RESOURCES = {
@@ -59,6 +62,12 @@ ROLE = {
         "metricsPort": {"type": "integer", "minimum": 1, "maximum": 65535},
         "intervalSeconds": {"type": "number", "exclusiveMinimum": 0},
         "rbac": {"type": "object", "properties": {"create": {"type": "boolean"}}, "additionalProperties": False},
+        "watchNamespaces": {"type": "array", "uniqueItems": True,
+                            "items": {"type": "string", "pattern": r"^[a-z0-9*?]([-a-z0-9*?]*[a-z0-9*?])?$"}},
+        "podPolicy": {"type": "object", "additionalProperties": False, "properties": {
+            "extraImages": {"type": "array", "items": {"type": "string", "pattern": r"^[^:@\s]+(:[0-9]+/[^:@\s]+)?$",
+                                                       "description": "a repository, without tag or digest"}},
+            "allowHostPath": {"type": "boolean"}}},
         "gatewayApiInferencePool": {"type": "object", "additionalProperties": False, "properties": {
             "mode": {"enum": ["auto", "on", "off"]},
             "endpointPicker": {"type": "string", "pattern": "^([a-z0-9-]+(:[0-9]+)?)?$"}}},
@@ -77,6 +86,25 @@ SCHEMA = {
                                  "volume": {"type": "object"}, "mountPath": {"type": "string"}}},
         "imagePullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]},
         **{role: ROLE for role in ("gateway", "router", "prefill", "decode", "operator")},
+        "ingress": {"type": "object", "additionalProperties": False, "properties": {
+            "enabled": {"type": "boolean"}, "className": {"type": "string"},
+            "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
+            "hosts": {"type": "array", "items": HOSTNAME}, "path": PATH,
+            "tls": {"type": "object", "additionalProperties": False,
+                    "properties": {"secretName": {"type": "string"}}}}},
+        "httpRoute": {"type": "object", "additionalProperties": False, "properties": {
+            "enabled": {"type": "boolean"},
+            "parentRefs": {"type": "array", "maxItems": 32, "items": {
+                "type": "object", "required": ["name"], "additionalProperties": False,
+                "properties": {k: {"type": "string", "minLength": 1} for k in
+                               ("group", "kind", "namespace", "name", "sectionName")} | {"port": PORT}}},
+            "hostnames": {"type": "array", "maxItems": 16, "items": HOSTNAME}, "path": PATH,
+            "timeouts": {"type": "object", "additionalProperties": False, "properties": {
+                k: {"type": "string", "pattern": GO_DURATION} for k in ("request", "backendRequest")}}}},
+        "kvTransfer": {"type": "object", "additionalProperties": False, "properties": {
+            "ucx": {"type": "object", "additionalProperties": False, "required": ["netDevices"], "properties": {
+                "netDevices": {"type": "string", "pattern": r"^(all|[A-Za-z0-9_.-]+(:[0-9]+)?(,[A-Za-z0-9_.-]+(:[0-9]+)?)*)$"},
+                "transports": {"type": "string", "pattern": r"^(\^?[a-z0-9_]+(,[a-z0-9_]+)*)?$"}}}}},
         "keys": {"type": "object", "additionalProperties": False, "properties": {
             "existingSecret": {"type": "string"}, "keysJson": {"type": "string"},
             "limits": {"type": "object", "properties": {"maxBodyBytes": {"type": "integer", "minimum": 1}}}}},

@@ -19,9 +19,9 @@ from tests.chart.rendering import CASES, CHART, documents, needs_helm, render
 
 KUBERNETES_VERSION = "1.35.0"
 # Kinds whose schemas kubernetes-validate does not ship: the chart's own CRD (checked below against the CRD's
-# schema) and the Prometheus operator's ServiceMonitor and PodMonitor (not checked: their CRDs are not
-# vendored here).
-CUSTOM_KINDS = {"FlotillaPool", "ServiceMonitor", "PodMonitor"}
+# schema), the Gateway API HTTPRoute (tests/chart/test_ingress.py) and the Prometheus operator's ServiceMonitor
+# and PodMonitor (not checked: their CRDs are not vendored here).
+CUSTOM_KINDS = {"FlotillaPool", "ServiceMonitor", "PodMonitor", "HTTPRoute"}
 
 pytestmark = needs_helm
 
@@ -69,7 +69,7 @@ def test_rendered_is_valid_kubernetes_strict(rendered):
         if doc["kind"] in CUSTOM_KINDS:
             continue
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
-    assert {"CustomResourceDefinition", "Deployment", "Service", "ClusterRole", "FlotillaPool"} <= kinds
+    assert {"CustomResourceDefinition", "Deployment", "Service", "Role", "FlotillaPool"} <= kinds
 
 
 def test_pools_are_valid_custom_resources_and_build_valid_workloads(rendered):

@@ -42,6 +42,7 @@ def test_deployment_and_service_are_owned_labelled_and_selected_alike():
     container = dep["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"] == {"limits": {"cpu": "2"}}
     assert container["args"][-2:] == ["--block-size", "32"] and "$(POD_NAME)" in container["args"]
+    assert container["args"][container["args"].index("--role") + 1] == "prefill"  # the pool's role, not "both"
 
 
 def test_workers_carry_the_pools_release_label_and_serve_metrics():

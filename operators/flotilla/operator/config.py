@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from flotilla.operator.gaie import GatewayTarget
+from flotilla.operator.pod_policy import PodPolicy
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,7 @@ class OperatorConfig:
     kube_host: str | None = None  # API server URL without credentials (tests); None: in-cluster/kubeconfig
     metrics_port: int | None = None  # serve the autoscaler gauges on /metrics here (0: any free port)
     gateway: GatewayTarget = field(default_factory=lambda: GatewayTarget(mode="off"))  # GAIE InferencePools
+    pod_policy: PodPolicy = field(default_factory=PodPolicy)  # what pools may ask of their worker pods
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0:
@@ -30,6 +32,7 @@ class OperatorConfig:
             metrics_port=int(os.environ["FLOTILLA_OPERATOR_METRICS_PORT"])
             if os.environ.get("FLOTILLA_OPERATOR_METRICS_PORT") else None,
             gateway=_gateway_from_env(),
+            pod_policy=PodPolicy.from_env(),
         )
 
 

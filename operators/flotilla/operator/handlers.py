@@ -61,6 +61,12 @@ def register_handlers(registry: kopf.OperatorRegistry, config: OperatorConfig) -
         pool = _parse(spec)
         raw = _raw(body)
         meta = raw["metadata"]
+        refused = config.pod_policy.violations(pool)
+        if refused:  # nothing is created or changed; the status and an error event say why
+            patch.status["refused"] = "; ".join(refused)
+            logger.error("FlotillaPool %s refused: %s", meta["name"], "; ".join(refused))
+            return
+        patch.status["refused"] = None
         existing = kube.read_deployment(meta["namespace"], manifests.worker_name(meta["name"]))
         initial = pool.policy.min_replicas + pool.policy.warm_replicas
         address = pool.router_address or config.router_address

@@ -76,7 +76,7 @@ def _container(spec: PoolSpec, router_address: str) -> dict[str, Any]:
     args = [
         "worker", "--host", "0.0.0.0", "--port", str(port), "--advertise-host", "$(POD_IP)",
         "--worker-id", "$(POD_NAME)", "--router", router_address,
-        "--model-dir", spec.model.checkpoint, "--model-name", spec.model.name,
+        "--model-dir", spec.model.checkpoint, "--model-name", spec.model.name, "--role", spec.role,
         "--metrics-port", str(METRICS_PORT), *spec.worker.args,
     ]  # fmt: skip
     env = [
