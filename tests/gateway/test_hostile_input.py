@@ -51,3 +51,15 @@ def test_stop_strings_are_bounded(gateway, stop):
 def test_nan_is_not_json(gateway):
     body = b'{"model": "tiny", "max_tokens": 5, "temperature": NaN, "messages": [{"role": "user", "content": "x"}]}'
     _assert_dialect_400(_post(gateway, "/v1/chat/completions", content=body), "/v1/chat/completions")
+
+
+async def test_the_in_process_idempotency_store_forgets_its_oldest_entries_past_its_bound():
+    from flotilla.gateway.idempotency import Entry, MemoryIdempotencyStore
+
+    store = MemoryIdempotencyStore(max_entries=3)
+    for i in range(5):
+        assert await store.claim(f"k{i}", "f", "owner", lease_s=60) is None
+        await store.complete(f"k{i}", "owner", Entry("done", "f", "owner", 200), ttl_s=60)
+    assert len(store) == 3
+    assert await store.claim("k0", "f", "other", lease_s=60) is None  # forgotten: claimable again
+    assert (await store.claim("k4", "f", "other", lease_s=60)).state == "done"

@@ -17,6 +17,7 @@ import hashlib
 import json
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -31,7 +32,10 @@ GENERATION_PATHS = frozenset({"/v1/messages", "/v1/chat/completions", "/v1/compl
 IDEMPOTENT_PATHS = GENERATION_PATHS | {"/v1/batch-generate"}  # fixed-batch models (batch_api.py) too
 KEY_PREFIX = "flotilla:idem:"
 MAX_KEY_LENGTH = 256
-STORED_STATUSES = frozenset({200, 400, 401, 403, 404, 413})  # final answers; anything else may be retried
+# Final answers; anything else may be retried. Not 401/403: the app authenticates before any work, so storing
+# its refusals would let anyone without a key fill the store with one entry per Idempotency-Key they invent.
+STORED_STATUSES = frozenset({200, 400, 404, 413})
+MAX_MEMORY_ENTRIES = 100_000  # the in-process store (no Redis) forgets the oldest beyond this
 REPLAYED_HEADERS = frozenset({b"content-type", b"request-id", b"x-request-id"})
 
 
@@ -116,9 +120,19 @@ class RedisIdempotencyStore:
 class MemoryIdempotencyStore:
     """One gateway without Redis (`flotilla up`): the same rules, in this process only."""
 
-    def __init__(self, clock=time.monotonic):
-        self._entries: dict[str, tuple[Entry, float]] = {}
+    def __init__(self, clock=time.monotonic, max_entries: int = MAX_MEMORY_ENTRIES):
+        self._entries: OrderedDict[str, tuple[Entry, float]] = OrderedDict()  # oldest write first
         self._clock = clock
+        self._max_entries = max_entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _put(self, key: str, value: tuple[Entry, float]) -> None:
+        self._entries[key] = value
+        self._entries.move_to_end(key)
+        while len(self._entries) > self._max_entries:
+            self._entries.popitem(last=False)
 
     def _live(self, key: str) -> Entry | None:
         held = self._entries.get(key)
@@ -130,21 +144,21 @@ class MemoryIdempotencyStore:
     async def claim(self, key: str, fingerprint: str, owner: str, lease_s: float) -> Entry | None:
         entry = self._live(key)
         if entry is None:
-            self._entries[key] = (Entry("running", fingerprint, owner), self._clock() + lease_s)
+            self._put(key, (Entry("running", fingerprint, owner), self._clock() + lease_s))
         return entry
 
     async def renew(self, key: str, owner: str, lease_s: float) -> bool:
         entry = self._live(key)
         if entry is None or entry.owner != owner or entry.state != "running":
             return False
-        self._entries[key] = (entry, self._clock() + lease_s)
+        self._put(key, (entry, self._clock() + lease_s))
         return True
 
     async def complete(self, key: str, owner: str, entry: Entry, ttl_s: float) -> bool:
         held = self._live(key)
         if held is None or held.owner != owner:
             return False
-        self._entries[key] = (entry, self._clock() + ttl_s)
+        self._put(key, (entry, self._clock() + ttl_s))
         return True
 
     async def release(self, key: str, owner: str) -> None:

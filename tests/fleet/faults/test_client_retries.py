@@ -10,6 +10,7 @@ import json
 
 import httpx
 import pytest
+from redis import Redis
 
 from tests.support.fleet import MODEL, fleet_config, start_fleet
 from tests.support.waiting import wait_until
@@ -57,6 +58,29 @@ def test_retry_with_the_same_key_replays_without_running_again(fleet):
     changed = _post(fleet, "/v1/messages", {**anthropic, "max_tokens": 6}, "key-a")
     assert changed.status_code == 422 and changed.json()["type"] == "error"  # Anthropic's error shape
     assert len(fleet.ledger()) == before + 2
+
+
+async def test_unauthenticated_idempotency_keys_leave_nothing_in_the_store(fleet):
+    """10k keys from callers without a (valid) API key: all 401, and the store holds none of them."""
+    body = completion_body([5, 6, 7], 4, stream=False)
+
+    def idempotency_keys() -> int:
+        with Redis.from_url(fleet.redis.url) as client:
+            return sum(1 for _ in client.scan_iter(match="flotilla:idem:*", count=1000))
+
+    before = idempotency_keys()
+    limits = httpx.Limits(max_connections=64)
+    async with httpx.AsyncClient(base_url=fleet.url, timeout=60, limits=limits) as client:
+        async def one(i: int) -> int:
+            auth = {"authorization": "Bearer fl-not-a-key"} if i % 2 else {}
+            response = await client.post("/v1/completions", json=body, headers={"idempotency-key": f"anon-{i}", **auth})
+            return response.status_code
+
+        statuses = []
+        for start in range(0, 10_000, 500):
+            statuses += await asyncio.gather(*(one(i) for i in range(start, start + 500)))
+    assert set(statuses) == {401}
+    assert idempotency_keys() == before
 
 
 async def test_concurrent_duplicates_wait_for_the_first(fleet):
