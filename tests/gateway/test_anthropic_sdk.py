@@ -87,7 +87,7 @@ def test_stream_event_sequence(gateway):
 
 
 def test_stream_error_event_mid_stream(gateway, client):
-    with pytest.raises(anthropic.APIStatusError, match="worker died"):
+    with pytest.raises(anthropic.APIStatusError, match="workers failed this request"):
         with client.messages.stream(model="midfail", max_tokens=20, messages=MESSAGES) as stream:
             "".join(stream.text_stream)
 

@@ -23,8 +23,24 @@ from flotilla.gateway.errors import error_from_grpc, error_from_router
 def test_router_error_codes(code, status, anthropic_type):
     err = error_from_router(common.Error(code=code, message="m", field="temperature"))
     assert err.kind.status == status
-    assert error_body(Dialect.ANTHROPIC, err) == {"type": "error", "error": {"type": anthropic_type, "message": "m"}}
+    assert error_body(Dialect.ANTHROPIC, err)["error"]["type"] == anthropic_type
     assert error_body(Dialect.OPENAI, err)["error"]["param"] == "temperature"
+
+
+@pytest.mark.parametrize("code", [common.ERROR_CODE_INTERNAL, common.ERROR_CODE_UNAVAILABLE,
+                                  common.ERROR_CODE_MODEL_NOT_FOUND, common.ERROR_CODE_UNSPECIFIED])
+def test_fleet_faults_name_no_worker_version_or_grpc_status(code, caplog):
+    detail = "worker worker-3 failed: UNAVAILABLE; this worker serves m@sha256:ab12cd, not m"
+    err = error_from_router(common.Error(code=code, message=detail), request_id="req_42")
+    assert "worker-3" not in err.message and "sha256" not in err.message and "UNAVAILABLE" not in err.message
+    assert "req_42" in err.message
+    assert detail in caplog.text and "req_42" in caplog.text  # the operator still gets it, by request id
+
+
+@pytest.mark.parametrize("code", [common.ERROR_CODE_INVALID_REQUEST, common.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED,
+                                  common.ERROR_CODE_OVERLOADED, common.ERROR_CODE_DEADLINE_EXCEEDED])
+def test_client_facing_errors_keep_their_message(code):
+    assert error_from_router(common.Error(code=code, message="prompt: too long")).message == "prompt: too long"
 
 
 class _RpcError(grpc.RpcError):

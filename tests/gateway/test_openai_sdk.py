@@ -107,5 +107,5 @@ def test_sdk_raises_typed_errors(client):
 
 def test_stream_error_mid_stream_raises(client):
     stream = client.chat.completions.create(model="midfail", messages=MESSAGES, max_tokens=5, stream=True)
-    with pytest.raises(openai.APIError, match="worker died"):
+    with pytest.raises(openai.APIError, match="workers failed this request"):
         list(stream)

@@ -7,11 +7,14 @@ GatewayError and the dialect decides only the body's shape (see dialects.py).
 from __future__ import annotations
 
 import enum
+import logging
 
 import grpc
 
 from flotilla.api.common.v1 import common_pb2 as common
 from flotilla.rpc.stream_events import Error
+
+log = logging.getLogger(__name__)
 
 
 class ErrorKind(enum.Enum):
@@ -81,9 +84,22 @@ _GRPC_CODES = {
 }
 
 
-def error_from_router(error: Error) -> GatewayError:
+# Errors about the fleet itself: their text names workers, versions (weight digests) and gRPC statuses, which are
+# the operator's business. The client gets this, with the request id to quote; the detail goes to the log.
+_FLEET_FAULTS = {
+    ErrorKind.INTERNAL: "the model's workers failed this request",
+    ErrorKind.UNAVAILABLE: "no worker could take this request; retry later",
+    ErrorKind.NOT_FOUND: "model not found: it is not, or no longer, served",
+}
+
+
+def error_from_router(error: Error, request_id: str = "") -> GatewayError:
     kind, code = _ROUTER_CODES.get(error.code, (ErrorKind.INTERNAL, None))
     message = error.message or f"router error {common.ErrorCode.Name(error.code)}"
+    generic = _FLEET_FAULTS.get(kind)
+    if generic is not None:
+        log.warning("request %s: %s from the fleet: %s", request_id or "-", kind.name, message)
+        message = f"{generic} (request {request_id})" if request_id else generic
     return GatewayError(kind, message, param=error.field or None, code=code,
                         retry_after_s=error.retry_after_s or None)
 
@@ -94,4 +110,5 @@ def error_from_grpc(err: grpc.RpcError) -> GatewayError:
     if kind is ErrorKind.UNAVAILABLE:
         return GatewayError(kind, "the router is unavailable; retry later", code="unavailable")
     details = err.details() if hasattr(err, "details") else str(err)
-    return GatewayError(kind, f"router call failed: {details}")
+    log.warning("router call failed: %s %s", status, details)
+    return GatewayError(kind, f"the router call failed ({status.name if status is not None else 'error'})")

@@ -198,7 +198,7 @@ class RouterEvents:
                                                     "the generation was aborted by the fleet; retry", code="aborted"))
             self._reading = None
             return self._with_usage(event)
-        raise await self._fail(error_from_router(event))
+        raise await self._fail(error_from_router(event, self._job.request_id))
 
     async def aclose(self) -> None:
         await self._end(None)
