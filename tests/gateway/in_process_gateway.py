@@ -31,10 +31,12 @@ MAX_BODY_BYTES = 64 * 1024
 class InProcessGateway:
     def __init__(self, checkpoint_path: Path, keys_dir: Path):
         self.fake = FakeRouter(str(checkpoint_path))
-        self.paid_key, self.free_key = generate_key(), generate_key()
+        self.paid_key, self.free_key, self.batch_key = generate_key(), generate_key(), generate_key()
         self.keys_file = keys_dir / "keys.json"
         write_keys_file(self.keys_file, [KeyEntry("k-paid", hash_key(self.paid_key), "acme", "paid"),
-                                         KeyEntry("k-free", hash_key(self.free_key), "hobbyist", "free")])
+                                         KeyEntry("k-free", hash_key(self.free_key), "hobbyist", "free"),
+                                         KeyEntry("k-batch", hash_key(self.batch_key), "acme", "paid",
+                                                  priority_class="batch")])
         self.settings = GatewaySettings(keys_file=self.keys_file, max_body_bytes=MAX_BODY_BYTES,
                                         model_refresh_s=3600.0, min_refresh_gap_s=0.0, retry_after_s=7)
         self.metrics = GatewayMetrics()

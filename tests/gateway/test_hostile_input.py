@@ -63,3 +63,19 @@ async def test_the_in_process_idempotency_store_forgets_its_oldest_entries_past_
     assert len(store) == 3
     assert await store.claim("k0", "f", "other", lease_s=60) is None  # forgotten: claimable again
     assert (await store.claim("k4", "f", "other", lease_s=60)).state == "done"
+
+
+@pytest.mark.parametrize("path", ROUTES)
+def test_the_priority_header_only_lowers_a_keys_class(gateway, path):
+    def post(key: str, priority: str) -> httpx.Response:
+        return httpx.post(gateway.base_url + path, json=ROUTES[path], timeout=10,
+                          headers={"x-api-key": key, "x-flotilla-priority": priority})
+
+    raised = post(gateway.batch_key, "interactive")
+    assert raised.status_code == 403
+    body = raised.json()
+    error = body["error"]
+    assert error["type"] == ("permission_error" if path == "/v1/messages" else "invalid_request_error")
+    assert "may only lower it" in error["message"]
+    assert post(gateway.batch_key, "batch").status_code == 200
+    assert post(gateway.paid_key, "batch").status_code == 200

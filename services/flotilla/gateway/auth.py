@@ -61,8 +61,17 @@ async def authenticate(headers: Headers, gatekeeper: Gatekeeper | None) -> Princ
                            code="unavailable") from err
     if entry is None:
         raise GatewayError(ErrorKind.AUTHENTICATION, "invalid API key", code="invalid_api_key")
+    if priority is not None and _rank(priority) < _rank(entry.priority_class):
+        # A batch key asking to be served as interactive would jump the queue it was given.
+        raise GatewayError(ErrorKind.PERMISSION, f"this key's priority class is {entry.priority_class}: "
+                           f"{PRIORITY_HEADER} may only lower it", param=PRIORITY_HEADER, code="permission_denied")
     return Principal(entry.key_id, entry.tenant, entry.tier, priority or entry.priority_class, entry.limits,
                      entry.cache_salt)
+
+
+def _rank(priority_class: str) -> int:
+    """0 is served first (PRIORITY_CLASSES is in that order)."""
+    return PRIORITY_CLASSES.index(priority_class)
 
 
 def _requested_priority(headers: Headers) -> str | None:

@@ -21,6 +21,7 @@ class ErrorKind(enum.Enum):
     # value: (HTTP status, Anthropic error type, OpenAI error type)
     INVALID_REQUEST = (400, "invalid_request_error", "invalid_request_error")
     AUTHENTICATION = (401, "authentication_error", "invalid_request_error")
+    PERMISSION = (403, "permission_error", "invalid_request_error")
     NOT_FOUND = (404, "not_found_error", "invalid_request_error")
     METHOD_NOT_ALLOWED = (405, "invalid_request_error", "invalid_request_error")
     REQUEST_TOO_LARGE = (413, "request_too_large", "invalid_request_error")
