@@ -22,6 +22,7 @@ from tests.chart.test_chart import _json_schema
 from tests.operator.conftest import kmock_info
 from tests.operator.test_operator_kmock import POOL
 from tests.support.waiting import async_wait_until
+from .kopf_run import start_operator
 
 ROOT = Path(__file__).resolve().parents[2]
 # GAIE's CRD is not part of this repository (Flotilla does not bundle it): the test reads a release's file from
@@ -81,13 +82,7 @@ async def test_operator_applies_it_only_where_gaie_is_served(kube, router, serve
     registry = kopf.OperatorRegistry()
     register_handlers(registry, OperatorConfig(router_address=router.address, interval_s=0.2,
                                                kube_host=str(kube.url).rstrip("/"), gateway=TARGET))
-    settings = kopf.OperatorSettings()
-    settings.posting.enabled = False
-    settings.scanning.disabled = True
-    settings.watching.server_timeout = 5
-    stop = asyncio.Event()
-    operator = asyncio.create_task(kopf.operator(registry=registry, settings=settings, namespaces=["ns1"],
-                                                 standalone=True, stop_flag=stop))
+    operator, stop = start_operator(registry)
     try:
         await kube.post("/apis/flotilla.dev/v1alpha1/namespaces/ns1/flotillapools", json=POOL)
         await async_wait_until(lambda: DEPLOYMENT in kube.objects, 20, "the worker Deployment")

@@ -13,6 +13,7 @@ from flotilla.operator.config import OperatorConfig
 from flotilla.operator.handlers import register_handlers
 
 from tests.support.waiting import async_wait_until
+from .kopf_run import start_operator
 
 POOL = {
     "apiVersion": "flotilla.dev/v1alpha1",
@@ -50,13 +51,7 @@ async def test_pool_creates_deployment_scales_on_signals_and_writes_status(kube,
     registry = kopf.OperatorRegistry()
     metrics = register_handlers(registry, OperatorConfig(router_address=router.address, interval_s=0.2,
                                                kube_host=str(kube.url).rstrip("/")))
-    settings = kopf.OperatorSettings()
-    settings.posting.enabled = False
-    settings.scanning.disabled = True  # kmock 0.8 cannot list /api/v1/namespaces (cluster-scoped path)
-    settings.watching.server_timeout = 5
-    stop = asyncio.Event()
-    operator = asyncio.create_task(kopf.operator(registry=registry, settings=settings, namespaces=["ns1"],
-                                                 standalone=True, stop_flag=stop))
+    operator, stop = start_operator(registry)
     try:
         await kube.post(f"/apis/flotilla.dev/v1alpha1/namespaces/ns1/flotillapools", json=POOL)
         await async_wait_until(lambda: _get(kube, DEPLOYMENT, "spec", "replicas") == 2, 20,

@@ -15,6 +15,7 @@ from flotilla.operator.handlers import register_handlers
 from flotilla.operator.pod_policy import PodPolicy
 
 from tests.support.waiting import async_wait_until
+from .kopf_run import start_operator
 
 POLICY = PodPolicy(allowed_images=("ghcr.io/flotilla/flotilla",), allow_host_path=False)
 POOL = {
@@ -40,13 +41,7 @@ async def test_other_images_and_host_paths_are_refused_until_allowed(kube):
     registry = kopf.OperatorRegistry()
     register_handlers(registry, OperatorConfig(kube_host=str(kube.url).rstrip("/"), interval_s=0.2,
                                                pod_policy=POLICY))
-    settings = kopf.OperatorSettings()
-    settings.posting.enabled = False
-    settings.scanning.disabled = True
-    settings.watching.server_timeout = 5
-    stop = asyncio.Event()
-    operator = asyncio.create_task(kopf.operator(registry=registry, settings=settings, namespaces=["ns1"],
-                                                 standalone=True, stop_flag=stop))
+    operator, stop = start_operator(registry)
     host_path = copy.deepcopy(POOL)
     host_path["metadata"].update(name="h", uid="uid-h")
     host_path["spec"]["worker"] = {"image": "ghcr.io/flotilla/flotilla:0.1.0",

@@ -22,6 +22,7 @@ from flotilla.operator.handlers import register_handlers
 
 from tests.support.waiting import async_wait_until
 
+from .kopf_run import start_operator
 from .test_operator_kmock import POOL, _get
 
 NUM_DECODE = 3
@@ -71,13 +72,7 @@ async def test_prefill_pool_scales_to_the_ratio_of_the_decode_pool(kube, router_
     registry = kopf.OperatorRegistry()
     register_handlers(registry, OperatorConfig(router_address=router_address, interval_s=0.2,
                                                kube_host=str(kube.url).rstrip("/")))
-    settings = kopf.OperatorSettings()
-    settings.posting.enabled = False
-    settings.scanning.disabled = True  # kmock 0.8 cannot list /api/v1/namespaces (cluster-scoped path)
-    settings.watching.server_timeout = 5
-    stop = asyncio.Event()
-    operator = asyncio.create_task(kopf.operator(registry=registry, settings=settings, namespaces=["ns1"],
-                                                 standalone=True, stop_flag=stop))
+    operator, stop = start_operator(registry)
     prefill_deployment, prefill_pool = keys("prefill-a")
     try:
         # Alone, the prefill pool holds its own minimum: there is no decode pool to follow.
