@@ -36,6 +36,7 @@ from flotilla.api.router.v1 import router_pb2, router_pb2_grpc  # noqa: E402
 from flotilla.fleet.process import ServiceProcess  # noqa: E402
 from flotilla.tenancy.keys import KeyEntry, generate_key, hash_key, write_keys_file  # noqa: E402
 from loadtest.common.cpu_time import process_cpu_s, own_cpu_s  # noqa: E402
+from loadtest.simulate_fixed_batch import poisson_arrivals  # noqa: E402
 
 MODEL = "sim"
 START_TIMEOUT_S = 60.0
@@ -142,12 +143,7 @@ def start_fleet(args: argparse.Namespace, state: Path) -> tuple[list[ServiceProc
 async def run_round(pool: Pool, rate: float, duration_s: float, paid_share: float, keys: tuple[str, str],
                     rng: random.Random) -> dict:
     headers = [f"authorization: Bearer {k}\r\n".encode() for k in keys]
-    arrivals, t = [], 0.0
-    while True:
-        t += rng.expovariate(rate)
-        if t >= duration_s:
-            break
-        arrivals.append(t)
+    arrivals = poisson_arrivals(rate, duration_s, rng)
     latencies, lags, batches, errors, done = [], [], {}, {}, []
     start = time.perf_counter() + 0.05
 

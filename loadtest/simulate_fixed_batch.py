@@ -21,15 +21,19 @@ import sys
 from collections import deque
 
 
-def simulate(rate: float, batch_size: int, latency_s: float, num_accelerators: int, max_wait_s: float,
-             duration_s: float, seed: int) -> dict:
-    rng = random.Random(seed)
+def poisson_arrivals(rate: float, duration_s: float, rng: random.Random) -> list[float]:
+    """Open-loop arrival times in [0, duration_s) at `rate` per second (exponential gaps)."""
     arrivals, t = [], 0.0
     while True:
         t += rng.expovariate(rate)
         if t >= duration_s:
-            break
+            return arrivals
         arrivals.append(t)
+
+
+def simulate(rate: float, batch_size: int, latency_s: float, num_accelerators: int, max_wait_s: float,
+             duration_s: float, seed: int) -> dict:
+    arrivals = poisson_arrivals(rate, duration_s, random.Random(seed))
     free_at = [0.0] * num_accelerators  # heap of when each accelerator is next idle
     heapq.heapify(free_at)
     queue: deque[float] = deque()
