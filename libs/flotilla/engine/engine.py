@@ -47,7 +47,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.torch_dtype)
         self.tokenizer = Tokenizer.from_pretrained(config.model_dir)
         # Structured outputs (grammar_backend.py); llguidance's vocabulary is built at the first such request.
-        self.grammars = GrammarBackend(self.tokenizer.to_json(), self.model_config.vocab_size,
+        self.grammars = GrammarBackend(self.tokenizer.to_json, self.model_config.vocab_size,
                                        sorted(self.tokenizer.eos_token_ids))
         self.max_model_len = min(self.model_config.max_model_len, config.max_model_len or 1 << 62)
         self.model_version = model_version(config.model_dir)

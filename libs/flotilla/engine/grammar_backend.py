@@ -4,7 +4,7 @@ its output, per step one batched bitmask call for the constrained rows and -inf 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,7 +19,9 @@ _executor: Any = None  # llguidance.LLExecutor: its thread pool computes a step'
 class GrammarBackend:
     """One engine's vocabulary for llguidance, built on first use (~0.5 s for SmolLM2's 49k tokens)."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]):
+    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_ids: Sequence[int]):
+        """`tokenizer_json()`: tokenizer.json text, asked for only at the first structured request (serialising a
+        large vocabulary costs start-up time every engine would otherwise pay)."""
         self._tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size  # the logits' width (the embedding may be larger than the tokenizer)
         self._eos_token_ids = list(eos_token_ids)
@@ -47,7 +49,7 @@ class GrammarBackend:
             if self._tokenizer is None:
                 import llguidance
 
-                self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size,
                                                          eos_token=self._eos_token_ids or None)
             return self._tokenizer
 
