@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 import orjson
 import pydantic
 from starlette.requests import ClientDisconnect, Request
+from starlette.types import Receive
 
 from flotilla.gateway.errors import ClientDisconnected, ErrorKind, GatewayError
 
@@ -35,6 +36,24 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     except ClientDisconnect as err:
         raise ClientDisconnected() from err
     return b"".join(chunks)
+
+
+async def read_asgi_body(receive: Receive, limit: int) -> tuple[bytes, bool]:
+    """For middlewares in front of the app: (the body so far, complete). complete is False once it grows past
+    `limit` (nothing more is read; the caller answers 413 or lets the app do so) or when the client left."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return b"".join(chunks), False
+        chunk = message.get("body", b"")
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            return b"".join(chunks), False
+        if not message.get("more_body", False):
+            return b"".join(chunks), True
 
 
 def decode_json(body: bytes) -> Any:

@@ -23,7 +23,7 @@ from typing import Protocol
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from flotilla.gateway.body import decode_json
+from flotilla.gateway.body import decode_json, read_asgi_body
 from flotilla.gateway.dialects import dialect_for_path, error_response
 from flotilla.gateway.errors import ErrorKind, GatewayError
 
@@ -187,7 +187,7 @@ class IdempotencyMiddleware:
         if key is None:
             await self.app(scope, receive, send)
             return
-        body, complete = await _read_body(receive, self.max_body_bytes)
+        body, complete = await read_asgi_body(receive, self.max_body_bytes)
         replay = _replaying(body, receive)
         if not complete or _is_stream(body):
             await self.app(scope, replay, send)
@@ -277,20 +277,6 @@ def _is_stream(body: bytes) -> bool:
     except ValueError:
         return False
     return isinstance(parsed, dict) and parsed.get("stream") is True
-
-
-async def _read_body(receive: Receive, limit: int) -> tuple[bytes, bool]:
-    """The request body; complete=False when it is over the limit (the app then answers 413)."""
-    body = b""
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return body, False
-        body += message.get("body", b"")
-        if len(body) > limit:
-            return body, False
-        if not message.get("more_body", False):
-            return body, True
 
 
 def _replaying(body: bytes, receive: Receive) -> Receive:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from flotilla.gateway.body import body_too_large
+from flotilla.gateway.body import body_too_large, read_asgi_body
 from flotilla.gateway.dialects import dialect_for_path, error_response
 from flotilla.gateway.errors import ErrorKind, GatewayError
 from flotilla.gateway.generation import wait_for_disconnect
@@ -97,9 +97,9 @@ class ResumableStreamMiddleware:
 
     # ---- a new resumable request ----------------------------------------------------------------------
     async def _start(self, scope: Scope, receive: Receive, send: Send, headers: dict[bytes, bytes]) -> None:
-        body, size = await _read_body(receive, self.max_body_bytes)
-        if body is None:
-            await _refuse(scope, send, body_too_large(size, self.max_body_bytes))
+        body, _ = await read_asgi_body(receive, self.max_body_bytes)
+        if len(body) > self.max_body_bytes:
+            await _refuse(scope, send, body_too_large(len(body), self.max_body_bytes))
             return
         stream = _Stream(uuid.uuid4().hex, _caller(headers), scope["path"])
         self.streams[stream.stream_id] = stream
@@ -202,9 +202,9 @@ class ResumableStreamMiddleware:
         # An event index is a short ASCII number; anything else (10,000 digits, other scripts' digits) means 0.
         is_index = number.isascii() and number.isdigit() and len(number) <= MAX_EVENT_INDEX_DIGITS
         after = int(number) if is_index and prefix in ("", stream_id) else 0
-        body, size = await _read_body(receive, self.max_body_bytes)
-        if body is None:
-            await _refuse(scope, send, body_too_large(size, self.max_body_bytes))
+        body, _ = await read_asgi_body(receive, self.max_body_bytes)
+        if len(body) > self.max_body_bytes:
+            await _refuse(scope, send, body_too_large(len(body), self.max_body_bytes))
             return
         await self._serve(stream, min(after, len(stream.events)), receive, send)
 
@@ -218,23 +218,6 @@ def _event_end(data: bytes) -> tuple[int, int] | None:
 def _caller(headers: dict[bytes, bytes]) -> str:
     credential = headers.get(b"x-api-key") or headers.get(b"authorization") or b""
     return hashlib.sha256(credential.strip()).hexdigest()
-
-
-async def _read_body(receive: Receive, limit: int) -> tuple[bytes | None, int]:
-    """(the body, its size), or (None, bytes so far) as soon as it grows past `limit`: the rest is never read."""
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return b"".join(chunks), size
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            return None, size
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks), size
 
 
 async def _not_found(scope: Scope, send: Send, stream_id: str) -> None:
