@@ -129,6 +129,8 @@ SCHEMA = {
                 "to": {"type": "array", "items": {"type": "object"}}, "port": PORT}}}},
         "grafana": {"type": "object", "additionalProperties": False, "properties": {
             "dashboard": {"type": "boolean"}, "sidecarLabel": {"type": "string", "minLength": 1}}},
+        "usageLedger": {"type": "object", "additionalProperties": False, "properties": {
+            "enabled": {"type": "boolean"}, "mountPath": PATH, "volume": {"type": "object"}}},
         "redis": {"type": "object", "additionalProperties": False, "properties": {
             "enabled": {"type": "boolean"}, "image": REDIS_IMAGE, "resources": RESOURCES,
             "maxmemory": {"type": "string", "pattern": "^[0-9]+(b|kb|mb|gb)?$"},

@@ -215,3 +215,21 @@ def test_disaggregated_requests_move_kv_from_the_prefill_pod(release):
                                         if f.name == "flotilla_kv_transfer_bytes" for s in f.samples
                                         if s.name.endswith("_total"))
     assert sent["prefill"] > 0 and sent["decode"] == sent["prefill"], sent
+
+
+def test_requests_are_billed_in_the_usage_ledger(release):
+    """Default values have no Redis: each gateway pod bills into <usageLedger.mountPath>/<pod>.jsonl on its
+    volume. (The disaggregated example bills into Redis's stream; tests/usage covers that sink.)"""
+    if release.case != "default":
+        pytest.skip("the ledger is Redis's stream")
+    from flotilla.usage.sinks import read_file
+    from flotilla.usage.summary import unique
+
+    client = openai.OpenAI(base_url=f"{release.gateway_url}/v1", api_key=release.api_key, max_retries=0)
+    client.completions.create(model=release.models[0], prompt=PROMPT, max_tokens=3, temperature=0,
+                              extra_body={"ignore_eos": True})
+    gateways = [pod for pod in release.pods if _component(pod) == "gateway"]
+    files = [path for pod in gateways for path in (pod.root / "volumes" / "usage").glob("*.jsonl")]
+    assert {path.stem for path in files} <= {pod.name for pod in gateways} and files
+    records = unique(record for path in files for record in read_file(path))
+    assert records and {r.tenant for r in records} == {"acme"} and any(r.output_tokens == 3 for r in records)

@@ -145,7 +145,7 @@ async def _generate(request: Request, ctx: GatewayContext, plan: Plan) -> Respon
                            request_id(request), len(plan.prompt_ids), sampling.max_tokens)
     job = Job.create(request_id(request), plan.model, plan.principal, plan.prompt_ids, sampling,
                      arrival_time(request), admitted.ticket)
-    events = router_events(ctx, job, plan.requested_model, admitted)
+    events = router_events(ctx, job, plan.requested_model, admitted, streamed=bool(params.stream))
     head = _Head(plan.endpoint.id_prefix + job.request_id.removeprefix("req_"), int(time.time()), plan.model.name)
     if params.stream:
         first = await first_event(request, events)
