@@ -1,18 +1,19 @@
 """Chaos through `flotilla up` itself, as a user runs it (a subprocess serving a tiny random checkpoint, the
 openai SDK as client): kill -9 of a worker mid-stream (every stream completes with the text of an undisturbed
 run, the worker is restarted and registers again), kill -9 of the router (restarted on its port, the workers
-register again, the gateway serves again), SIGKILL of the launcher (no child survives, every port is free),
-and a service that keeps crashing (the launcher stops the fleet and says so with the tail of its log)."""
+register again, the gateway serves again) and of the gateway, SIGKILL of the launcher (no child survives, every
+port is free); with --autoscale, a worker the autoscaler started is restarted and stays warm, and a service that
+keeps crashing stops the fleet (the launcher says so with the tail of its log)."""
 
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 
 import openai
 import pytest
 
+from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.usage.sinks import read_file
 
 from tests.support.fleet import MODEL
@@ -112,6 +113,18 @@ def test_kill_9_of_the_router_it_comes_back_and_the_fleet_serves_again(up, refer
     assert up.status()["restarts"] == 2 and up.status()["services"]["router"]["restarts"] == 1
 
 
+def test_kill_9_of_the_gateway_it_comes_back_on_its_port(up, reference):
+    up.kill("gateway")
+    up.wait_said("gateway is serving again")
+
+    async def one_chat() -> str:
+        async with client(up) as oai:
+            return await chat_stream(oai, PROMPTS[1])
+
+    assert asyncio.run(one_chat()) == reference[1]  # at the URL flotilla up printed
+    assert up.status()["services"]["gateway"]["restarts"] == 1
+
+
 def test_sigkill_of_the_launcher_leaves_no_service_running(up):
     pids, ports = up.child_pids(), up.child_ports()
     assert len(pids) == 4 and len(ports) >= 4
@@ -121,19 +134,38 @@ def test_sigkill_of_the_launcher_leaves_no_service_running(up):
     wait_until(lambda: all(map(is_free, ports)), GONE_TIMEOUT_S, "every port to be free")
 
 
-def test_a_service_that_keeps_crashing_stops_the_fleet(tiny_checkpoint, tmp_path):
-    up = start_flotilla_up(tiny_checkpoint, tmp_path / "state", model_name=MODEL, max_restarts=1)
-    try:
-        up.kill("worker-0")
-        up.wait_said("worker-0 is serving again")
-        pids, ports = up.child_pids(), up.child_ports()
-        up.kill("worker-0")
-        assert up.popen.wait(60) == 1
-    finally:
-        up.stop()
+@pytest.fixture(scope="module")
+def autoscaled_up(tiny_checkpoint, tmp_path_factory):
+    """--autoscale with one warm worker, and one restart allowed per service (in 10 minutes: however slow the
+    machine, the next test's kill lands in the window of the first test's)."""
+    up = start_flotilla_up(tiny_checkpoint, tmp_path_factory.mktemp("autoscaled") / "state", "--autoscale",
+                           "--min-workers", "1", "--max-workers", "2", "--warm-workers", "1",
+                           model_name=MODEL, max_restarts=1, restart_window_s=600)
+    yield up
+    up.stop()
+
+
+def test_a_worker_the_autoscaler_started_is_restarted_and_stays_warm(autoscaled_up):
+    up = autoscaled_up
+    warm = rpb.WORKER_STATE_WARM
+    wait_until(lambda: (w := up.router_workers().get("worker-1")) and w.healthy and w.state == warm, 120,
+               "the autoscaler to start a warm worker-1")
+    pid = up.kill("worker-1")
+    up.wait_said("worker-1 is serving again")
+    assert up.pid("worker-1") != pid
+    wait_until(lambda: (w := up.router_workers().get("worker-1")) and w.healthy, 30, "worker-1 registered again")
+    assert up.router_workers()["worker-1"].state == warm  # out of rotation, as the autoscaler left it
+
+
+def test_a_service_that_keeps_crashing_stops_the_fleet(autoscaled_up):
+    up = autoscaled_up
+    assert up.status()["services"]["worker-1"]["restarts"] == 1  # the one allowed (the test above)
+    up.kill("worker-1")
+    assert up.popen.wait(60) == 1
     said = up.stderr
-    assert "worker-0 keeps crashing: it exited (killed by SIGKILL) 2 times within 60 s; stopping the fleet." in said
-    assert f"The last lines of {up.state_dir / 'logs' / 'worker-0.log'}:" in said
+    assert "worker-1 keeps crashing: it exited (killed by SIGKILL) 2 times within 600 s; stopping the fleet." in said
+    assert f"The last lines of {up.state_dir / 'logs' / 'worker-1.log'}:" in said
     assert "flotilla worker listening on" in said.split("keeps crashing")[1]  # the log's tail, quoted
+    pids, ports = up.child_pids(), up.child_ports()  # as the launcher last wrote them
     wait_until(lambda: all(map(is_gone, pids)), GONE_TIMEOUT_S, "every service to be stopped")
     wait_until(lambda: all(map(is_free, ports)), GONE_TIMEOUT_S, "every port to be free")
