@@ -68,25 +68,29 @@ class FleetSupervisor:
         """One pass: restart the dead services that are due. Returns why the fleet must stop, or None."""
         now = self._clock()
         with self._fleet.lock:  # the autoscaler neither adds nor retires a worker meanwhile
-            services = self._fleet.services()
-            for service in services:
+            for service in self._fleet.services():
                 watched = self._watched.setdefault(service.name, _Watched(RestartHistory(self._policy)))
                 if service.is_running():
                     self._check_started(service, watched)
-                    continue
-                watched.starting = False
-                if watched.restart_at is None:
-                    delay = watched.history.after_exit(now)
-                    if delay is None:
+                elif watched.restart_at is None:
+                    if not self._schedule_restart(service, watched, now):
                         return self._crash_loop(service)
-                    watched.restart_at = now + delay
-                    self._say(f"{service.name} exited ({_exit_reason(service.returncode)}); restarting it in "
-                              f"{delay:.1f} s (restart {watched.history.num_recent} of at most "
-                              f"{self._policy.max_restarts} within {self._policy.window_s:g} s)")
                 elif now >= watched.restart_at:
                     self._restart(service, watched)
         self._write_status()
         return None
+
+    def _schedule_restart(self, service: ServiceProcess, watched: _Watched, now: float) -> bool:
+        """False when the service keeps crashing."""
+        watched.starting = False
+        delay = watched.history.after_exit(now)
+        if delay is None:
+            return False
+        watched.restart_at = now + delay
+        self._say(f"{service.name} exited ({_exit_reason(service.returncode)}); restarting it in {delay:.1f} s "
+                  f"(restart {watched.history.num_recent} of at most {self._policy.max_restarts} within "
+                  f"{self._policy.window_s:g} s)")
+        return True
 
     def _check_started(self, service: ServiceProcess, watched: _Watched) -> None:
         if not watched.starting or service.poll_port() is None:
