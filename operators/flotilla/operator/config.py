@@ -18,6 +18,10 @@ class OperatorConfig:
     metrics_port: int | None = None  # serve the autoscaler gauges on /metrics here (0: any free port)
     gateway: GatewayTarget = field(default_factory=lambda: GatewayTarget(mode="off"))  # GAIE InferencePools
     pod_policy: PodPolicy = field(default_factory=PodPolicy)  # what pools may ask of their worker pods
+    # mTLS: the operator's own certificate directory (it calls the router as an operator identity), and the
+    # Secret its worker pods mount (a worker identity). Without them both run --insecure-internal.
+    tls_dir: str = ""
+    worker_tls_secret: str = ""
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0:
@@ -33,7 +37,15 @@ class OperatorConfig:
             if os.environ.get("FLOTILLA_OPERATOR_METRICS_PORT") else None,
             gateway=_gateway_from_env(),
             pod_policy=PodPolicy.from_env(),
+            tls_dir=os.environ.get("FLOTILLA_TLS_DIR", ""),
+            worker_tls_secret=os.environ.get("FLOTILLA_WORKER_TLS_SECRET", ""),
         )
+
+    def router_tls(self):
+        """The operator's InternalTLS for router calls; None (insecure, with a warning) without a tls_dir."""
+        from flotilla.rpc.tls import from_flags
+
+        return from_flags(self.tls_dir or None, not self.tls_dir, "operator")
 
 
 def _gateway_from_env() -> GatewayTarget:
