@@ -112,12 +112,12 @@ def run_worker(args: argparse.Namespace) -> int:
     from flotilla.cli.up import check_model
 
     _configure_logging(args.log_level)
-    tls = internal_tls(args, "worker")
     if args.backend == "fixed-batch":
-        return run_fixed_batch_worker(args, tls)
+        return run_fixed_batch_worker(args)
     if not args.model_dir:
         raise SystemExit("flotilla worker: --model-dir is required")
     check_model(args.model_dir, "flotilla worker")
+    tls = internal_tls(args, "worker")
     engine = EngineConfig(
         model_dir=args.model_dir,
         device=args.device,
@@ -158,7 +158,7 @@ def run_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_fixed_batch_worker(args: argparse.Namespace, tls=None) -> int:
+def run_fixed_batch_worker(args: argparse.Namespace) -> int:
     from flotilla.worker.fixed_batch.contract import ENGINE, SIMULATED, BatchOptions
     from flotilla.worker.fixed_batch.server import FixedBatchConfig, serve
 
@@ -171,7 +171,8 @@ def run_fixed_batch_worker(args: argparse.Namespace, tls=None) -> int:
             options=BatchOptions(args.max_batch_size, args.batch_latency_ms, args.model_dir, args.max_tokens,
                                  args.device),
             host=args.host, port=args.port, port_file=args.port_file, advertise_host=args.advertise_host,
-            worker_id=args.worker_id, router_address=args.router, shutdown_grace_s=args.shutdown_grace_s, tls=tls)
+            worker_id=args.worker_id, router_address=args.router, shutdown_grace_s=args.shutdown_grace_s,
+            tls=internal_tls(args, "worker"))
     except ValueError as err:
         raise SystemExit(f"flotilla worker: {err}") from None
     run_service(serve(config))
