@@ -4,7 +4,9 @@ the router to a worker: what each service lets call it, router/access.py and wor
 
 from __future__ import annotations
 
+import atexit
 import functools
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -25,7 +27,9 @@ def session_ca() -> CertificateAuthority:
 
 @functools.cache
 def _identities_dir() -> Path:
-    return Path(tempfile.mkdtemp(prefix="flotilla-test-tls-"))
+    path = Path(tempfile.mkdtemp(prefix="flotilla-test-tls-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 @functools.cache
