@@ -24,19 +24,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-ROLES = ("router", "worker", "gateway", "operator")
-TRUST_DOMAIN = "flotilla"
-# cert-manager's Secret layout: a directory (or mounted Secret) with these three files is one identity.
-CA_FILE, CERT_FILE, KEY_FILE = "ca.crt", "tls.crt", "tls.key"
-
-
-def spiffe_id(role: str, name: str) -> str:
-    return f"spiffe://{TRUST_DOMAIN}/{role}/{name}"
-
-
-def server_name(role: str) -> str:
-    """The DNS name a client verifies when it dials a service of this role."""
-    return f"{role}.{TRUST_DOMAIN}.internal"
+from flotilla.rpc.tls import CA_FILE, CERT_FILE, KEY_FILE, ROLES, server_name, spiffe_id
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,24 @@ from pathlib import Path
 
 import grpc
 
-from flotilla.rpc.certs import CA_FILE, CERT_FILE, KEY_FILE, ROLES, TRUST_DOMAIN, server_name
-
 logger = logging.getLogger(__name__)
+
+ROLES = ("router", "worker", "gateway", "operator")
+TRUST_DOMAIN = "flotilla"
+# cert-manager's Secret layout: a directory (or mounted Secret) with these three files is one identity.
+CA_FILE, CERT_FILE, KEY_FILE = "ca.crt", "tls.crt", "tls.key"
 
 INSECURE_WARNING = ("internal gRPC traffic is NOT authenticated or encrypted (--insecure-internal): anyone who "
                     "reaches this service can call it; use it only on a trusted machine")
+
+
+def spiffe_id(role: str, name: str) -> str:
+    return f"spiffe://{TRUST_DOMAIN}/{role}/{name}"
+
+
+def server_name(role: str) -> str:
+    """The DNS name a client verifies when it dials a service of this role (rpc/certs.py puts it in the SAN)."""
+    return f"{role}.{TRUST_DOMAIN}.internal"
 
 
 @dataclass(frozen=True)
@@ -31,7 +43,7 @@ class Identity:
     name: str
 
     def __str__(self) -> str:
-        return f"spiffe://{TRUST_DOMAIN}/{self.role}/{self.name}"
+        return spiffe_id(self.role, self.name)
 
 
 @dataclass(frozen=True)

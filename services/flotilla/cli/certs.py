@@ -23,7 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_certs(args: argparse.Namespace) -> int:
     import yaml
 
-    from flotilla.rpc.certs import CA_FILE, CERT_FILE, KEY_FILE, ensure_ca
+    from flotilla.rpc.certs import ensure_ca
+    from flotilla.rpc.tls import CA_FILE, CERT_FILE, KEY_FILE
 
     ca = ensure_ca(args.out / "ca")
     certificates: dict[str, object] = {CA_FILE: ca.cert_pem.decode()}

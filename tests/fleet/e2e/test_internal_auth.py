@@ -16,9 +16,9 @@ import pytest
 from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.router.v1 import router_pb2_grpc
-from flotilla.rpc.certs import CertificateAuthority, server_name
+from flotilla.rpc.certs import CertificateAuthority
 from flotilla.rpc.options import sync_channel
-from flotilla.rpc.tls import InternalTLS
+from flotilla.rpc.tls import InternalTLS, server_name
 
 from tests.support.tls import client_tls, session_ca
 
