@@ -42,18 +42,22 @@ class PrefillSide:
         transfer_id = request.transfer_id
         refusal = _check_target(request, handoff.outgoing)
         if refusal:
-            return _failed(pb.ERROR_CODE_INVALID_REQUEST, refusal, "dst_block_ids")
+            return _failed(pb.ERROR_CODE_INVALID_REQUEST, *refusal)
+        handoff.outgoing[transfer_id] = caller  # before any await: a second call with this id is refused
         started = time.perf_counter()
         try:
             await handoff.ensure_peer(request.decode_agent_name, request.decode_worker_address, transfer_id,
                                       request.lease_s or 30)  # fmt: skip
         except (grpc.aio.AioRpcError, ValueError, RuntimeError) as exc:
+            handoff.outgoing.pop(transfer_id, None)
             return _failed(pb.ERROR_CODE_UNAVAILABLE, f"cannot reach decode worker: {exc}")
+        except BaseException:
+            handoff.outgoing.pop(transfer_id, None)
+            raise
         target = RemoteTarget(transfer_id, request.decode_agent_name, list(request.dst_block_ids),
                               request.first_block_index)  # fmt: skip
         # The engine request is keyed by the transfer id: a retried request id never collides here.
         handoff.sender.add_target(transfer_id, target)
-        handoff.outgoing[transfer_id] = caller
         try:
             first = await self._run_prefill(transfer_id, gen)
         except InvalidRequestError as exc:
@@ -108,16 +112,17 @@ class PrefillSide:
         return kpb.AbortRemotePrefillResponse(found=found)
 
 
-def _check_target(request: kpb.RemotePrefillRequest, in_flight: dict[str, str]) -> str:
-    """'' when the hand-off may start; else why not. Writes go only to the blocks the decode worker reserved
-    for this transfer: each named once (the pool's bounds are checked per write, kv_transfer/layout.py)."""
+def _check_target(request: kpb.RemotePrefillRequest, in_flight: dict[str, str]) -> tuple[str, str] | None:
+    """None when the hand-off may start; else (why not, the field). Writes go only to the blocks the decode
+    worker reserved for this transfer: each named once (the pool's bounds are checked per write,
+    kv_transfer/layout.py)."""
     if len(request.transfer_id) < 16:
-        return "transfer_id must be an unguessable token"
+        return "must be an unguessable token", "transfer_id"
     if request.transfer_id in in_flight:
-        return "transfer_id already in flight"
+        return "already in flight", "transfer_id"
     if len(set(request.dst_block_ids)) != len(request.dst_block_ids):
-        return "dst_block_ids must not repeat a block"
-    return ""
+        return "must not repeat a block", "dst_block_ids"
+    return None
 
 
 def _failed(code: int, message: str, field: str = "") -> kpb.RemotePrefillResponse:
