@@ -83,8 +83,9 @@ async def test_operator_applies_it_only_where_gaie_is_served(kube, router, serve
     if served:
         kube.resources[GAIE_RESOURCE] = kmock_info(gaie.KIND)
     registry = kopf.OperatorRegistry()
-    register_handlers(registry, OperatorConfig(router_address=router.address, interval_s=0.2, tls_dir=OPERATOR_TLS,
-                                               kube_host=str(kube.url).rstrip("/"), gateway=TARGET))
+    register_handlers(registry, OperatorConfig(router_address=router.address, interval_s=0.2,
+                                               kube_host=str(kube.url).rstrip("/"), gateway=TARGET,
+                                               tls_dir=OPERATOR_TLS, worker_tls_secret="flotilla-tls-worker"))
     operator, stop = start_operator(registry)
     try:
         await kube.post("/apis/flotilla.dev/v1alpha1/namespaces/ns1/flotillapools", json=POOL)

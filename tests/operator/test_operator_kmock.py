@@ -52,8 +52,9 @@ def _get(kube: kmock.KubernetesEmulator, key, *path):
 
 async def test_pool_creates_deployment_scales_on_signals_and_writes_status(kube, router, workers):
     registry = kopf.OperatorRegistry()
-    metrics = register_handlers(registry, OperatorConfig(router_address=router.address, interval_s=0.2, tls_dir=OPERATOR_TLS,
-                                               kube_host=str(kube.url).rstrip("/")))
+    metrics = register_handlers(registry, OperatorConfig(router_address=router.address, interval_s=0.2,
+                                               kube_host=str(kube.url).rstrip("/"),
+                                               tls_dir=OPERATOR_TLS, worker_tls_secret="flotilla-tls-worker"))
     operator, stop = start_operator(registry)
     try:
         await kube.post(f"/apis/flotilla.dev/v1alpha1/namespaces/ns1/flotillapools", json=POOL)

@@ -40,7 +40,8 @@ class CertificateAuthority:
         cert = (
             x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
             .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=valid_days))
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=valid_days))
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
             .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
                                          data_encipherment=False, key_agreement=False, key_cert_sign=True,
@@ -82,7 +83,8 @@ class CertificateAuthority:
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name),
                                      x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role)]))
             .issuer_name(self.cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=valid_days))
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=valid_days))
             .add_extension(x509.SubjectAlternativeName([x509.UniformResourceIdentifier(spiffe_id(role, name)),
                                                         x509.DNSName(server_name(role))]), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)

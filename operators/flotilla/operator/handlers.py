@@ -34,7 +34,7 @@ def register_handlers(registry: kopf.OperatorRegistry, config: OperatorConfig) -
     if config.metrics_port is not None:
         serve_metrics(metrics_registry, "0.0.0.0", config.metrics_port)  # scraped from inside the cluster
     routers: dict[str, RouterClient] = {}
-    router_tls = config.router_tls()  # None: insecure (warned)
+    router_tls = config.router_tls()  # None: --insecure-internal (warned); neither: exits here, at start
 
     def router_for(spec: PoolSpec) -> RouterClient | None:
         address = spec.router_address or config.router_address
