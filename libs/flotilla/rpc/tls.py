@@ -12,7 +12,7 @@ import inspect
 import logging
 import os
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -52,7 +52,7 @@ class InternalTLS:
 
     ca: bytes
     cert: bytes
-    key: bytes
+    key: bytes = field(repr=False)  # never in a log line or a traceback's locals
 
     @classmethod
     def from_dir(cls, directory: str | os.PathLike[str]) -> InternalTLS:
