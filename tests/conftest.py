@@ -54,6 +54,7 @@ UNIT_PATHS = (
     "operator/test_ratio.py",
     "router",
     "rpc/test_convert.py",
+    "rpc/test_tls.py",
     "usage",
 )
 # ... but not these: whole generations (and transformers' reference for them) take minutes on a CPU.

@@ -7,6 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
+from flotilla.cli.tls_flags import add_tls_flags, internal_tls
 from flotilla.gateway.settings import DEFAULT_MAX_BODY_BYTES, TOOL_CALL_PARSERS
 
 
@@ -16,6 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--host", default="127.0.0.1")
     run.add_argument("--port", type=int, default=8000, help="0: pick a free port and announce it")
     run.add_argument("--port-file", default=None, help="write the bound port here once listening")
+    add_tls_flags(run)
     auth = run.add_mutually_exclusive_group(required=True)
     auth.add_argument("--keys-file", type=Path, help="JSON keys file (see `flotilla gateway-key`)")
     auth.add_argument("--no-auth", action="store_true", help="accept every request (local runs only)")
@@ -65,6 +67,7 @@ def _run(args: argparse.Namespace) -> int:
                                usage_checkpoint_s=args.usage_checkpoint_s,
                                stream_resume_grace_s=args.stream_resume_grace_s,
                                tool_call_parser=args.tool_call_parser,
+                               router_tls=internal_tls(args, "gateway"),
                                admission=AdmissionPolicy(args.wait_budget_paid_s, args.wait_budget_free_s,
                                                          args.wait_budget_batch_s))
     from flotilla.observability.setup import setup_observability

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from flotilla.cli.tls_flags import add_tls_flags, internal_tls
 from flotilla.rpc.serving import run_service
 from flotilla.worker.check_settings import CheckSettings
 
@@ -99,6 +100,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus /metrics on --host:PORT (0: any free port); default off")
     parser.add_argument("--metrics-port-file", default=None, help="write the bound metrics port here")
+    add_tls_flags(parser)
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -115,6 +117,7 @@ def run_worker(args: argparse.Namespace) -> int:
     if not args.model_dir:
         raise SystemExit("flotilla worker: --model-dir is required")
     check_model(args.model_dir, "flotilla worker")
+    tls = internal_tls(args, "worker")
     engine = EngineConfig(
         model_dir=args.model_dir,
         device=args.device,
@@ -146,6 +149,7 @@ def run_worker(args: argparse.Namespace) -> int:
         output_check=CheckSettings(args.output_check_interval_s, args.output_check_busy_interval_s),
         disagg=DisaggSettings(args.role, args.min_remote_prefill_tokens, args.kv_lease_s,
                               layerwise=not args.kv_write_after_prefill),
+        tls=tls,
     )
     from flotilla.observability.setup import setup_observability
 
@@ -167,7 +171,8 @@ def run_fixed_batch_worker(args: argparse.Namespace) -> int:
             options=BatchOptions(args.max_batch_size, args.batch_latency_ms, args.model_dir, args.max_tokens,
                                  args.device),
             host=args.host, port=args.port, port_file=args.port_file, advertise_host=args.advertise_host,
-            worker_id=args.worker_id, router_address=args.router, shutdown_grace_s=args.shutdown_grace_s)
+            worker_id=args.worker_id, router_address=args.router, shutdown_grace_s=args.shutdown_grace_s,
+            tls=internal_tls(args, "worker"))
     except ValueError as err:
         raise SystemExit(f"flotilla worker: {err}") from None
     run_service(serve(config))
@@ -196,6 +201,7 @@ def run_router(args: argparse.Namespace) -> int:
                             args.batch_call_timeout_s, args.batch_max_queue_depth, args.max_queue_wait_s),
         metrics_port=args.metrics_port,
         metrics_port_file=args.metrics_port_file,
+        tls=internal_tls(args, "router"),
     )
     from flotilla.observability.setup import setup_observability
 

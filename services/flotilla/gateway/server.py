@@ -37,7 +37,7 @@ def load_gatekeeper(settings: GatewaySettings) -> Gatekeeper | None:
 async def serve(settings: GatewaySettings, sockets: list[socket.socket] | None = None) -> None:
     """Serve until interrupted; `sockets` lets a caller bind first (port 0, tests)."""
     gatekeeper = load_gatekeeper(settings)
-    backend = RouterClient(settings.router_address, settings.router_timeout_s)
+    backend = RouterClient(settings.router_address, settings.router_timeout_s, settings.router_tls)
     tolerance = FaultTolerance.open(settings)  # usage ledger, idempotency, resumable streams
     try:
         app = create_app(settings, backend, None, gatekeeper=gatekeeper, ledger=tolerance.ledger)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flotilla.rpc.tls import InternalTLS
 from flotilla.tenancy.admission_policy import AdmissionPolicy
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -35,6 +36,7 @@ class GatewaySettings:
     idempotency_ttl_s: float = 24 * 3600.0
     stream_resume_grace_s: float = 30.0
     tool_call_parser: str = "auto"  # how models write tool calls: "auto" (from each chat template) or a syntax name
+    router_tls: InternalTLS | None = None  # mTLS to the router (the gateway's certificate); None: insecure
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
