@@ -82,9 +82,9 @@ def test_window_softcap_and_scale_match_torch_path(window, softcap, scale):
 
 def test_long_prefill_spans_several_query_and_key_tiles():
     """More queries than one program's rows and more keys than one tile, behind a cached prefix."""
-    tables = _tables(48, [40], seed=5)
-    seqs = [SeqChunk(70, 90, tables[0])]
-    kv_cache, q, k, v = _step(seqs, 4, 4, 2, 16, 48, seed=2)
+    tables = _tables(24, [20], seed=5)
+    seqs = [SeqChunk(45, 30, tables[0])]
+    kv_cache, q, k, v = _step(seqs, 4, 4, 2, 16, 24, seed=2)
     (expected, _), (actual, _) = _both(seqs, 4, kv_cache, q, k, v)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 

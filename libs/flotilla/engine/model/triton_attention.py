@@ -13,13 +13,18 @@ Set TRITON_INTERPRET=1 before this module is imported to run the kernel on a CPU
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-DECODE_ROWS = 16  # rows per program when every chunk is one token: tl.dot needs M >= 16 on a GPU
-PREFILL_ROWS = 64
-BLOCK_N = 64  # key positions per tile
+# Rows per program (query tokens x the heads of a group) and key positions per tile. On a GPU tl.dot needs
+# M >= 16; the interpreter runs every padded row as numpy work, so it gets the smallest tiles.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DECODE_ROWS = 1 if _INTERPRETED else 16
+PREFILL_ROWS = 16 if _INTERPRETED else 64
+BLOCK_N = 16 if _INTERPRETED else 64
 
 
 @triton.jit
