@@ -10,6 +10,8 @@ an offset.
 Sliding-window layers use a second mask of each kind (built when the step is given the model's window) that also
 hides keys older than the window; the CPU kernel skips them. Soft-capped scores (Gemma 2) leave SDPA for the same
 computation written out (scores, tanh cap, mask, softmax, values), since SDPA has no soft-cap.
+With the Triton backend (metadata built with use_triton: query_start_loc set, no groups or masks) step (2) is one
+kernel for the whole step that reads the blocks in place (triton_attention.py).
 """
 
 from __future__ import annotations
@@ -115,8 +117,8 @@ class AttentionMetadata:
         offsets = _exclusive_cumsum(counts)
         block_tables = _block_table_tensor(seqs, ends, block_size, device)
         positions = _positions(starts, counts, offsets, device)
-        seq_of_token = torch.repeat_interleave(
-            torch.arange(len(seqs), device=device), torch.tensor(counts, device=device)
+        seq_of_token = torch.repeat_interleave(  # output_size: no device-to-host sync on a GPU
+            torch.arange(len(seqs), device=device), torch.tensor(counts, device=device), output_size=sum(counts)
         )
         slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
         context_lens = torch.tensor(ends, dtype=torch.int64, device=device)
