@@ -161,7 +161,7 @@ def exactness(model_dir: Path, device: torch.device, plan: Plan, seed: int) -> d
     runs = {}
     for name, overrides in {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
                             "bf16_fp8kv": {"dtype": "bfloat16", "kv_cache_dtype": "float8_e4m3fn"}}.items():
-        engine = _engine(model_dir, device, plan, **overrides)
+        engine = _engine(model_dir, device, plan, cuda_graph_max_batch=plan.exact_prompts, **overrides)
         eos = sorted(engine.tokenizer.eos_token_ids)
         backend = engine.attention_backend
         runs[name] = _greedy_with_logprobs(engine, prompts, n)

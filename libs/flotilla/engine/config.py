@@ -79,12 +79,16 @@ def default_kv_budget(device: torch.device) -> int:
     return DEFAULT_CPU_KV_BYTES
 
 
-def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The KV pool's element type. fp8 halves the pool's bytes (twice the blocks per budget); the Triton kernel
-    widens it on load, the torch path widens whole gathered blocks (slower: for tests and CPUs)."""
+    widens it on load, the torch path widens whole gathered blocks (slower: for tests and CPUs). On CUDA, fp8 needs
+    a GPU with fp8 conversions (compute capability 8.9: Ada, Hopper and later)."""
     if name == "auto":
         return model_dtype
-    return KV_CACHE_DTYPES[name]
+    dtype = KV_CACHE_DTYPES[name]
+    if dtype.itemsize == 1 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"kv_cache_dtype {name} needs a GPU of compute capability 8.9 or later")
+    return dtype
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:

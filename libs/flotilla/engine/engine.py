@@ -54,7 +54,7 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(config.model_dir)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.torch_dtype)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.tokenizer = Tokenizer.from_pretrained(config.model_dir)
         # Structured outputs (grammar_backend.py); llguidance's vocabulary is built at the first such request.
         self.grammars = GrammarBackend(self.tokenizer.to_json, self.model_config.vocab_size,
