@@ -21,10 +21,12 @@ import argparse
 import gc
 import json
 import random
+import shutil
 import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import NamedTuple
 
@@ -274,6 +276,40 @@ def floors(size: str, bandwidth_gb_s: float, matmul: float) -> dict:
     }
 
 
+def kernel_check(device: torch.device) -> dict:
+    """The Triton kernel against the torch path on one mixed step (decodes, a prefill, a chunk after a cached
+    prefix) with shuffled block tables, at an 8B model's head layout, in fp32 and bf16: largest |difference|."""
+    from flotilla.engine.model.attention import AttentionMetadata, SeqChunk, paged_attention
+
+    generator = torch.Generator().manual_seed(0)
+    num_blocks, block_size, num_heads, num_kv_heads, head_dim = 256, 16, 32, 8, 128
+    perm = torch.randperm(num_blocks, generator=generator).tolist()
+    seqs = [SeqChunk(300, 1, perm[0:20]), SeqChunk(0, 1, perm[20:21]), SeqChunk(0, 200, perm[21:34]),
+            SeqChunk(500, 77, perm[34:71]), SeqChunk(1000, 1, perm[71:134])]
+    num_tokens = sum(seq.num_tokens for seq in seqs)
+    result = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(device, dtype)
+        q, k, v = (torch.randn(num_tokens, heads, head_dim, generator=generator).to(device, dtype)
+                   for heads in (num_heads, num_kv_heads, num_kv_heads))
+        outputs = [paged_attention(q, k, v, cache.clone(),
+                                   AttentionMetadata.build(seqs, block_size, device, use_triton=use_triton))
+                   for use_triton in (False, True)]
+        result[f"max_abs_error_{str(dtype).removeprefix('torch.')}"] = (outputs[1] - outputs[0]).abs().max().item()
+    return result
+
+
+def _section(report: dict, name: str, run_section):
+    """Runs one part of the check; a failure is reported in its place and the rest still runs."""
+    try:
+        report[name] = run_section()
+    except Exception as error:  # noqa: BLE001 - one device run has to report everything it can
+        report[name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+        print(traceback.format_exc(), file=sys.stderr, flush=True)
+        _free()
+    return report[name]
+
+
 def run(args: argparse.Namespace) -> dict:
     plan = DRY if args.dry_run else FULL
     device = torch.device("cpu" if args.dry_run else "cuda")
@@ -283,25 +319,30 @@ def run(args: argparse.Namespace) -> dict:
     bandwidth = memory_bandwidth_gb_s(device, plan.bandwidth_mib)
     matmul = matmul_tflops(device, torch.bfloat16, plan.matmul_size)
     report["measured"] = {"copy_bandwidth_gb_s": bandwidth, "bf16_matmul_tflops": matmul}
+    if device.type == "cuda":
+        _section(report, "kernel", lambda: kernel_check(device))
     with tempfile.TemporaryDirectory(dir=args.work_dir, prefix="gpu-check-") as tmp:
         exact_dir = write_random_llama(Path(tmp) / plan.exact_size, plan.exact_size, device, seed=args.seed)
-        report["exactness"] = exactness(exact_dir, device, plan, args.seed)
+        _section(report, "exactness", lambda: exactness(exact_dir, device, plan, args.seed))
         perf_dir = exact_dir
         if plan.perf_size != plan.exact_size:
+            shutil.rmtree(exact_dir)
             perf_dir = write_random_llama(Path(tmp) / plan.perf_size, plan.perf_size, device, seed=args.seed)
         floor = floors(plan.perf_size, bandwidth, matmul)
-        engine = engine_performance(perf_dir, device, plan, args.seed)
-        hf = transformers_performance(perf_dir, device, plan, args.seed)
-    report["performance"] = {"model": plan.perf_size, "batch": plan.batch, "floors": floor, "engine": engine,
-                             "transformers": hf}
-    report["targets"] = {
-        "decode_vs_memory_floor": engine["decode_ms_per_token_batch1"] / floor["decode_ms_per_token_memory_floor"],
-        "prefill_share_of_compute_floor": engine["prefill_tok_s"] / floor["tok_s_compute_floor"],
-        "batch_decode_share_of_compute_floor": engine["decode_tok_s_batch"] / floor["tok_s_compute_floor"],
-        "batch_speedup_vs_transformers": engine["batch_end_to_end_tok_s"] / hf["batch_end_to_end_tok_s"],
-        "wanted": {"decode_vs_memory_floor": "<= 1.3", "prefill_share_of_compute_floor": ">= 0.6",
-                   "batch_speedup_vs_transformers": ">= 2"},
-    }  # fmt: skip
+        performance = {"model": plan.perf_size, "batch": plan.batch, "floors": floor}
+        engine = _section(performance, "engine", lambda: engine_performance(perf_dir, device, plan, args.seed))
+        hf = _section(performance, "transformers",
+                      lambda: transformers_performance(perf_dir, device, plan, args.seed))
+    report["performance"] = performance
+    if "error" not in engine and "error" not in hf:
+        report["targets"] = {
+            "decode_vs_memory_floor": engine["decode_ms_per_token_batch1"] / floor["decode_ms_per_token_memory_floor"],
+            "prefill_share_of_compute_floor": engine["prefill_tok_s"] / floor["tok_s_compute_floor"],
+            "batch_decode_share_of_compute_floor": engine["decode_tok_s_batch"] / floor["tok_s_compute_floor"],
+            "batch_speedup_vs_transformers": engine["batch_end_to_end_tok_s"] / hf["batch_end_to_end_tok_s"],
+            "wanted": {"decode_vs_memory_floor": "<= 1.3", "prefill_share_of_compute_floor": ">= 0.6",
+                       "batch_speedup_vs_transformers": ">= 2"},
+        }  # fmt: skip
     report["seconds"] = time.perf_counter() - started
     return report
 
