@@ -33,3 +33,14 @@ def test_agreement_counts_tokens_before_the_first_difference():
 def test_without_cuda_it_says_so(capsys):
     assert gpu_check.main([]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_a_failing_section_is_reported_and_the_rest_runs(capsys):
+    report: dict = {}
+
+    def broken():
+        raise RuntimeError("triton compile failed")
+
+    assert gpu_check._section(report, "kernel", broken) == {"error": "RuntimeError: triton compile failed"}
+    assert gpu_check._section(report, "exactness", lambda: {"ok": True}) == {"ok": True}
+    assert "Traceback" in capsys.readouterr().err
