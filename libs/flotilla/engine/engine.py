@@ -93,7 +93,9 @@ class LLMEngine:
         if not (config.cuda_graphs and self.device.type == "cuda" and self.attention_backend == "triton"
                 and cuda_graphs.graphs_apply(model)):
             return []
-        return cuda_graphs.capture_sizes(min(config.cuda_graph_max_batch or config.max_num_seqs, config.max_num_seqs))
+        largest = min(config.cuda_graph_max_batch or config.max_num_seqs, config.max_num_seqs,
+                      config.max_num_batched_tokens)  # no decode step has more rows than either allows
+        return cuda_graphs.capture_sizes(largest)
 
     def _blocks_for_budget(self) -> int:
         budget = self.config.kv_cache_memory_bytes or default_kv_budget(self.device)
