@@ -177,6 +177,8 @@ def exactness(model_dir: Path, device: torch.device, plan: Plan, seed: int) -> d
         _free()
     return {
         "model": plan.exact_size, "attention_backend": backend, "prompts": len(prompts), "new_tokens": n,
+        # how much the comparison says: a degenerate model repeats a few tokens whatever the context
+        "distinct_reference_tokens": len({token for tokens in hf["fp32"] for token in tokens}),
         "fp32_greedy_equal": runs["fp32"][0] == hf["fp32"],
         "fp32_agreement": agreement(runs["fp32"][0], hf["fp32"]),
         "bf16_agreement_with_transformers_bf16": agreement(runs["bf16"][0], hf["bf16"]),
