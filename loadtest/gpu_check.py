@@ -270,11 +270,15 @@ def transformers_performance(model_dir: Path, device: torch.device, plan: Plan, 
 
 
 def floors(size: str, bandwidth_gb_s: float, matmul: float) -> dict:
-    params = num_parameters(size)
+    """Every token goes through every matrix once (an untied embedding is a lookup: not counted, as in
+    bench_engine.py); attention-score FLOPs are not counted, so the compute floor is a little optimistic."""
+    weight_bytes = decode_bytes_per_token(size)
+    matmul_params = weight_bytes // 2
     return {
-        "parameters": params,
-        "decode_ms_per_token_memory_floor": decode_bytes_per_token(size) / (bandwidth_gb_s * 1e9) * 1e3,
-        "tok_s_compute_floor": matmul * 1e12 / (2 * params),
+        "parameters": num_parameters(size),
+        "parameters_in_matmuls": matmul_params,
+        "decode_ms_per_token_memory_floor": weight_bytes / (bandwidth_gb_s * 1e9) * 1e3,
+        "tok_s_compute_floor": matmul * 1e12 / (2 * matmul_params),
     }
 
 
