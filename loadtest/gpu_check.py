@@ -3,7 +3,8 @@
 On random Llama-style checkpoints of real shapes (~1B and ~8B parameters, bf16, drawn on the device) it reports:
 - exactness on the 1B: fp32 greedy equal to transformers' fp32 greedy on the same GPU; bf16 greedy agreement with
   transformers' bf16 (and transformers' bf16 with its own fp32, for scale); an fp8 KV cache against the bf16 one
-  (greedy agreement, largest logprob error of the tokens both chose);
+  (greedy agreement, largest logprob error of the tokens both chose); swap preemption to pinned host memory
+  against a run without preemption;
 - on the 8B: decode ms/token at batch 1 against the memory floor (weight bytes read per step / measured copy
   bandwidth), batched decode and prefill tok/s against the compute floor (2 FLOPs per parameter per token at the
   measured bf16 matmul rate), and transformers' figures on the same workload.
@@ -160,13 +161,22 @@ def _logprob_error(a, a_logprobs, b, b_logprobs) -> float:
 def exactness(model_dir: Path, device: torch.device, plan: Plan, seed: int) -> dict:
     prompts = _prompts(plan.exact_prompts, plan.exact_prompt_len, seed)
     n = plan.exact_new_tokens
-    runs = {}
+    # A pool that admits every prompt (with the scheduler's 4 lookahead tokens) but cannot hold every finished
+    # sequence: requests that grow get swapped out to (pinned) host memory and back.
+    block_size, lookahead = 4, 4
+    admitted = len(prompts) * -(-(plan.exact_prompt_len + lookahead) // block_size)
+    finished = len(prompts) * -(-(plan.exact_prompt_len + n) // block_size)
+    swap = {"dtype": "float32", "num_kv_blocks": (admitted + finished) // 2, "block_size": block_size,
+            "num_lookahead_steps": lookahead, "preemption_mode": "swap", "num_host_kv_blocks": finished}
+    runs, preemptions = {}, {}
     for name, overrides in {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
-                            "bf16_fp8kv": {"dtype": "bfloat16", "kv_cache_dtype": "float8_e4m3fn"}}.items():
+                            "bf16_fp8kv": {"dtype": "bfloat16", "kv_cache_dtype": "float8_e4m3fn"},
+                            "fp32_swap": swap}.items():
         engine = _engine(model_dir, device, plan, cuda_graph_max_batch=plan.exact_prompts, **overrides)
         eos = sorted(engine.tokenizer.eos_token_ids)
         backend = engine.attention_backend
         runs[name] = _greedy_with_logprobs(engine, prompts, n)
+        preemptions[name] = engine.stats().num_preemptions
         del engine
         _free()
     hf = {}
@@ -185,6 +195,8 @@ def exactness(model_dir: Path, device: torch.device, plan: Plan, seed: int) -> d
         "transformers_bf16_agreement_with_its_fp32": agreement(hf["bf16"], hf["fp32"]),
         "fp8_kv_agreement_with_bf16_kv": agreement(runs["bf16_fp8kv"][0], runs["bf16"][0]),
         "fp8_kv_max_logprob_error": _logprob_error(*runs["bf16_fp8kv"], *runs["bf16"]),
+        "swap_preemptions": preemptions["fp32_swap"],
+        "swap_agreement_with_fp32": agreement(runs["fp32_swap"][0], runs["fp32"][0]),
     }  # fmt: skip
 
 
