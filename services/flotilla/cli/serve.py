@@ -23,8 +23,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     worker.add_argument("--router", default=None, help="router host:port to register with")
     worker.add_argument("--worker-id", default="", help="default: worker-<random>")
     worker.add_argument("--advertise-host", default=None, help="host the router dials (default: --host)")
-    worker.add_argument("--device", default="auto")
-    worker.add_argument("--dtype", default="auto")
+    worker.add_argument("--device", default="auto", help="auto: cuda when present, else cpu")
+    worker.add_argument("--dtype", default="auto",
+                        help="auto: float32 on cpu, bfloat16 (float16 for a float16 checkpoint) on cuda")
+    worker.add_argument("--kv-cache-dtype", default="auto",
+                        help="auto: the model's dtype; float8_e4m3fn or float8_e5m2 halve the KV bytes")
+    worker.add_argument("--attention-backend", choices=("auto", "triton", "torch"), default="auto",
+                        help="auto: the Triton kernels on cuda, the torch path (and C decode kernel) on cpu")
+    worker.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on cuda")
     worker.add_argument("--block-size", type=int, default=16)
     worker.add_argument("--num-kv-blocks", type=int, default=None)
     worker.add_argument("--kv-cache-memory-bytes", type=int, default=None)
@@ -122,6 +128,9 @@ def run_worker(args: argparse.Namespace) -> int:
         model_dir=args.model_dir,
         device=args.device,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        attention_backend=args.attention_backend,
+        cuda_graphs=not args.no_cuda_graphs,
         block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_kv_blocks=args.num_kv_blocks,
