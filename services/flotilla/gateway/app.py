@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from flotilla.gateway import anthropic_api, batch_api, health, models_api, openai_api
+from flotilla.gateway.connection_limits import StreamSlots
 from flotilla.gateway.context import GatewayContext, RequestContextMiddleware
 from flotilla.gateway.dialects import dialect_for_path, error_response, http_error
 from flotilla.tenancy.keys import KeyStore
@@ -35,7 +36,8 @@ def create_app(settings: GatewaySettings, backend: RouterBackend, key_store: Key
     registry = ModelRegistry(backend, tokenizer_builder, settings.min_refresh_gap_s)
     if gatekeeper is None and key_store is not None:
         gatekeeper = Gatekeeper(key_store.as_async(), LocalQuotaStore())
-    context = GatewayContext(settings, backend, registry, key_store, metrics, gatekeeper, ledger)
+    context = GatewayContext(settings, backend, registry, key_store, metrics, gatekeeper, ledger,
+                             StreamSlots(settings.max_streams_per_key, settings.retry_after_s))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -66,7 +68,6 @@ def _add_routes(app: FastAPI) -> None:
     app.add_api_route("/v1/models/{model_id:path}", models_api.get_model, methods=["GET"])
     app.add_api_route("/healthz", health.healthz, methods=["GET"])
     app.add_api_route("/readyz", health.readyz, methods=["GET"])
-    app.add_api_route("/metrics", health.metrics, methods=["GET"])
 
 
 async def _http_exception(request: Request, exc: StarletteHTTPException) -> Response:
