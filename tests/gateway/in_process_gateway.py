@@ -64,6 +64,10 @@ class InProcessGateway:
         wait_until(started, START_TIMEOUT_S, "the in-process gateway to serve")
         return self
 
+    def app_state(self):
+        """The app's GatewayContext (read from the tests' thread: counters only)."""
+        return self.app.state.gateway
+
     def stop(self) -> None:
         if self._server is not None:
             self._server.should_exit = True
@@ -84,6 +88,7 @@ class InProcessGateway:
         self.settings = replace(self.settings, router_address=f"127.0.0.1:{router_port}")
         client = RouterClient(self.settings.router_address)
         app = create_app(self.settings, client, KeyStore.from_file(self.keys_file), metrics=self.metrics)
+        self.app = app
         config = uvicorn_config(app, self.settings, log_level="warning", timeout_graceful_shutdown=1)
         self._server = uvicorn.Server(config)
         try:
