@@ -71,7 +71,8 @@ def dialect_endpoint(dialect: Dialect) -> Callable:
                 return Response(status_code=CLIENT_CLOSED_STATUS)
             except Exception:
                 log.exception("unhandled error in %s (request %s)", request.url.path, request_id(request))
-                return _rejected(ctx, dialect, GatewayError(ErrorKind.INTERNAL, "internal error"))
+                return _rejected(ctx, dialect, GatewayError(ErrorKind.INTERNAL,
+                                                            f"internal error (request {request_id(request)})"))
 
         return endpoint
 
