@@ -11,7 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from flotilla.gateway import anthropic_api, batch_api, health, models_api, openai_api
+from flotilla.gateway import anthropic_api, batch_api, health, models_api, openai_api, openapi
 from flotilla.gateway.connection_limits import StreamSlots
 from flotilla.gateway.context import GatewayContext, RequestContextMiddleware
 from flotilla.gateway.dialects import dialect_for_path, error_response, http_error
@@ -49,10 +49,11 @@ def create_app(settings: GatewaySettings, backend: RouterBackend, key_store: Key
             await asyncio.gather(refresher, return_exceptions=True)
 
     # FastAPI's own spans are off: RequestContextMiddleware opens the request's root span (gateway.request).
-    app = FastAPI(title="Flotilla gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
-                  telemetry={"tracing": False})
+    app = FastAPI(title="Flotilla gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=openapi.OPENAPI_PATH, telemetry={"tracing": False})
     app.state.gateway = context
     _add_routes(app)
+    openapi.install(app)  # generated from the routes (openapi.py)
     app.add_exception_handler(StarletteHTTPException, _http_exception)
     app.add_middleware(RequestContextMiddleware, metrics=metrics)
     return app

@@ -74,6 +74,7 @@ def dialect_endpoint(dialect: Dialect) -> Callable:
                 return _rejected(ctx, dialect, GatewayError(ErrorKind.INTERNAL,
                                                             f"internal error (request {request_id(request)})"))
 
+        endpoint.dialect = dialect  # its error shape, which /openapi.json documents (openapi.py)
         return endpoint
 
     return decorate

@@ -1,0 +1,203 @@
+"""GET /openapi.json: the OpenAPI 3.1 description of the whole HTTP API, generated from the app itself.
+
+FastAPI lists every route the app has (a route added later appears by itself, with the auth schemes and its
+dialect's error responses); OPERATIONS adds what FastAPI cannot see, because the handlers read their bodies
+themselves (body.py): the request schema (the pydantic models, bounds included, with each field's support
+status from field_support.py), the success bodies (openapi_shapes.py) and the headers a route reads. Routes
+served by middlewares (resumable stream reconnects) are added from MIDDLEWARE_PATHS.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from flotilla.gateway import field_support
+from flotilla.gateway import openapi_shapes as shapes
+from flotilla.gateway.admission import DEADLINE_HEADER, MAX_DEADLINE_DIGITS
+from flotilla.gateway.anthropic_schema import CountTokensRequest, MessagesRequest
+from flotilla.gateway.auth import PRIORITY_HEADER
+from flotilla.gateway.batch_api import BatchGenerateRequest
+from flotilla.gateway.dialects import Dialect, dialect_for_path
+from flotilla.gateway.errors import ErrorKind
+from flotilla.gateway.idempotency import MAX_KEY_LENGTH
+from flotilla.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+from flotilla.tenancy.records import PRIORITY_CLASSES
+
+OPENAPI_PATH = "/openapi.json"
+SECURITY_SCHEMES = {
+    "bearerAuth": {"type": "http", "scheme": "bearer", "description": "Authorization: Bearer <API key> (OpenAI style)"},
+    "apiKeyAuth": {"type": "apiKey", "in": "header", "name": "x-api-key", "description": "the API key (Anthropic style)"},
+}
+SECURITY = [{"bearerAuth": []}, {"apiKeyAuth": []}]
+ALL_ERRORS = tuple(sorted({kind.status for kind in ErrorKind if kind is not ErrorKind.METHOD_NOT_ALLOWED}))
+LOOKUP_ERRORS = (400, 401, 403, 404, 500, 503)  # what GET routes behind authentication can answer
+PROBE_ERRORS = (503,)
+
+
+@dataclass(frozen=True)
+class Operation:
+    summary: str
+    request: type[BaseModel] | None = None
+    response: dict = field(default_factory=lambda: {"type": "object"})
+    streams: bool = False  # with "stream": true the answer is text/event-stream
+    errors: tuple[int, ...] = ALL_ERRORS
+    authenticated: bool = True
+    headers: tuple[str, ...] = ()  # names in HEADERS
+    fields: dict[str, field_support.Status] | None = None  # the field_support table for the request's fields
+
+
+HEADERS = {
+    "idempotency-key": {"name": "Idempotency-Key", "description": "replays the stored answer of an earlier "
+                        "request with the same key (per API key); ignored by streamed requests",
+                        "schema": {"type": "string", "minLength": 1, "maxLength": MAX_KEY_LENGTH}},
+    "priority": {"name": PRIORITY_HEADER, "description": "serve as this priority class; may only lower the key's",
+                 "schema": {"enum": list(PRIORITY_CLASSES)}},
+    "deadline": {"name": DEADLINE_HEADER, "description": "the request's deadline in milliseconds",
+                 "schema": {"type": "string", "pattern": f"^[0-9]{{1,{MAX_DEADLINE_DIGITS}}}$"}},
+    "resumable": {"name": "x-flotilla-resumable", "description": "true: a streamed answer survives a dropped "
+                  "connection for the grace period (GET /v1/streams/{stream_id} resumes it)",
+                  "schema": {"enum": ["true", "false"]}},
+}
+GENERATION_HEADERS = ("idempotency-key", "priority", "deadline", "resumable")
+
+OPERATIONS: dict[tuple[str, str], Operation] = {
+    ("POST", "/v1/chat/completions"): Operation("Chat completion (OpenAI)", ChatCompletionRequest,
+                                                shapes.CHAT_COMPLETION, True, headers=GENERATION_HEADERS,
+                                                fields=field_support.CHAT_FIELDS),
+    ("POST", "/v1/completions"): Operation("Text completion (OpenAI)", CompletionRequest, shapes.COMPLETION, True,
+                                           headers=GENERATION_HEADERS, fields=field_support.COMPLETION_FIELDS),
+    ("POST", "/v1/messages"): Operation("Message (Anthropic)", MessagesRequest, shapes.MESSAGE, True,
+                                        headers=GENERATION_HEADERS, fields=field_support.MESSAGES_FIELDS),
+    ("POST", "/v1/messages/count_tokens"): Operation("Count a prompt's tokens (Anthropic)", CountTokensRequest,
+                                                     shapes.COUNT_TOKENS, headers=("priority",),
+                                                     fields=field_support.COUNT_TOKENS_FIELDS),
+    ("POST", "/v1/batch-generate"): Operation("One input through a fixed-batch model", BatchGenerateRequest,
+                                              shapes.BATCH_GENERATION, headers=("idempotency-key", "priority",
+                                                                                "deadline")),
+    ("GET", "/v1/models"): Operation("The served models", response=shapes.MODEL_LIST, errors=LOOKUP_ERRORS,
+                                     headers=("priority",)),
+    ("GET", "/v1/models/{model_id}"): Operation("One served model, by name or alias", response=shapes.MODEL,
+                                                errors=LOOKUP_ERRORS, headers=("priority",)),
+    ("GET", "/healthz"): Operation("Liveness", response=shapes.HEALTH, errors=PROBE_ERRORS, authenticated=False),
+    ("GET", "/readyz"): Operation("Readiness: the router answers and serves a model", response=shapes.HEALTH,
+                                  errors=PROBE_ERRORS, authenticated=False),
+    ("GET", OPENAPI_PATH): Operation("This description", response={"type": "object"}, errors=PROBE_ERRORS,
+                                     authenticated=False),
+    ("GET", "/v1/streams/{stream_id}"): Operation("Resume a resumable stream (Last-Event-ID: after that event)",
+                                                  response=shapes.SSE, errors=(401, 404, 413, 503)),
+}
+MIDDLEWARE_PATHS = (("GET", "/v1/streams/{stream_id}"),)  # resumable.py, in front of the app
+_PATH_PARAM = re.compile(r"{([^}:]+)(?::[^}]*)?}")
+
+
+def install(app: FastAPI) -> None:
+    """Serves the description at app.openapi_url (FastAPI's own route), built on its first request, when every
+    route has been added."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = build(app)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def build(app: FastAPI) -> dict[str, Any]:
+    document = get_openapi(title="Flotilla gateway", version="1", openapi_version="3.1.0", routes=app.routes,
+                           description=_DESCRIPTION)
+    paths = document.setdefault("paths", {})
+    components = document.setdefault("components", {})
+    schemas = components.setdefault("schemas", {})
+    schemas.update(_request_schemas())
+    schemas["OpenAIError"], schemas["AnthropicError"] = shapes.OPENAI_ERROR, shapes.ANTHROPIC_ERROR
+    components["securitySchemes"] = SECURITY_SCHEMES
+    for method, path, dialect in [*_app_operations(app), *_middleware_operations(), ("GET", OPENAPI_PATH,
+                                                                                     Dialect.OPENAI)]:
+        operation = paths.setdefault(path, {}).setdefault(method.lower(), {})
+        _describe(operation, method, path, dialect)
+    return document
+
+
+def _app_operations(app: FastAPI) -> list[tuple[str, str, Dialect]]:
+    found = []
+    for route in app.routes:
+        if isinstance(route, APIRoute) and route.include_in_schema:
+            dialect = getattr(route.endpoint, "dialect", None) or dialect_for_path(route.path)
+            found += [(method, _openapi_path(route.path), dialect) for method in sorted(route.methods)]
+    return found
+
+
+def _middleware_operations() -> list[tuple[str, str, Dialect]]:
+    return [(method, path, dialect_for_path(path)) for method, path in MIDDLEWARE_PATHS]
+
+
+def _openapi_path(path: str) -> str:
+    return _PATH_PARAM.sub(r"{\1}", path)  # {model_id:path} -> {model_id}
+
+
+def _describe(operation: dict, method: str, path: str, dialect: Dialect) -> None:
+    spec = OPERATIONS.get((method, path))
+    operation.setdefault("operationId", f"{method.lower()}_{re.sub(r'[^a-z0-9]+', '_', path.lower()).strip('_')}")
+    parameters = [p for p in operation.get("parameters", []) if p.get("in") != "path"]
+    parameters += [{"name": name, "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
+                   for name in _PATH_PARAM.findall(path)]
+    responses = operation.setdefault("responses", {})
+    error_ref = {"$ref": f"#/components/schemas/{'AnthropicError' if dialect is Dialect.ANTHROPIC else 'OpenAIError'}"}
+    if spec is not None:
+        operation["summary"] = spec.summary
+        parameters += [{**HEADERS[name], "in": "header", "required": False} for name in spec.headers]
+        if spec.request is not None:
+            operation["requestBody"] = {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{spec.request.__name__}"}}}}
+        content = {"application/json": {"schema": spec.response}} if spec.response is not shapes.SSE else {}
+        if spec.streams or spec.response is shapes.SSE:
+            content["text/event-stream"] = {"schema": shapes.SSE}
+        responses.clear()
+        responses["200"] = {"description": "OK", "content": content}
+        errors = spec.errors
+        if spec.authenticated:
+            operation["security"] = SECURITY
+    else:
+        errors = ALL_ERRORS
+        operation["security"] = SECURITY
+    for status in errors:
+        error = {"description": _STATUS_TEXT[status], "content": {"application/json": {"schema": error_ref}}}
+        if spec is not None and not spec.authenticated and status == 503:  # a probe's own 503 body, or the limit's
+            error["content"]["application/json"]["schema"] = {"anyOf": [shapes.HEALTH, error_ref]}
+        if ErrorKind.RATE_LIMITED.status == status or status in (503, 529):
+            error["headers"] = {"Retry-After": {"schema": {"type": "string"}, "description": "seconds"}}
+        responses[str(status)] = error
+    if parameters:
+        operation["parameters"] = parameters
+
+
+def _request_schemas() -> dict[str, Any]:
+    models = [op.request for op in OPERATIONS.values() if op.request is not None]
+    _, top = models_json_schema([(model, "validation") for model in models],
+                                ref_template="#/components/schemas/{model}")
+    defs = top.get("$defs", {})
+    for op in OPERATIONS.values():
+        if op.request is not None and op.fields is not None:
+            properties = defs[op.request.__name__].get("properties", {})
+            for name, status in op.fields.items():
+                if name in properties:
+                    properties[name]["description"] = field_support.describe(status)
+    return defs
+
+
+_STATUS_TEXT = {400: "Invalid request", 401: "Missing or invalid API key", 403: "Not permitted for this key",
+                404: "Unknown model, URL or stream", 413: "Request body too large", 429: "Rate limited",
+                500: "Internal error", 503: "Unavailable (router, key store, or the gateway's limit of requests "
+                "in flight)", 504: "Deadline exceeded", 529: "Overloaded"}
+
+_DESCRIPTION = """OpenAI- and Anthropic-compatible inference API. Routes under /v1/messages answer errors in
+Anthropic's shape, every other route in OpenAI's. Authenticate with `Authorization: Bearer <key>` or
+`x-api-key: <key>` (both name the same keys); a gateway started with --no-auth takes requests without one."""
