@@ -46,6 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for flag, kind, what in (
             ("--header-timeout-s", float, "seconds a client has to send its request headers"),
             ("--body-timeout-s", float, "seconds a client has, after its headers, to send its body"),
+            ("--write-timeout-s", float, "seconds a response may wait for a client that stopped reading"),
             ("--max-header-bytes", int, "largest request line + headers"),
             ("--max-connections", int, "open connections (past it: a bare 503)"),
             ("--max-concurrent-requests", int, "requests in flight (past it: 503 in the dialect's shape)"),
@@ -78,6 +79,7 @@ def _run(args: argparse.Namespace) -> int:
                                metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                                metrics_port_file=args.metrics_port_file,
                                header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
+                               write_timeout_s=args.write_timeout_s,
                                max_header_bytes=args.max_header_bytes, max_connections=args.max_connections,
                                max_concurrent_requests=args.max_concurrent_requests,
                                max_streams_per_key=args.max_streams_per_key,

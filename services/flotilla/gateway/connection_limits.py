@@ -16,15 +16,18 @@ from flotilla.gateway.dialects import dialect_for_path, error_response
 from flotilla.gateway.errors import ErrorKind, GatewayError
 
 
-def deadline_protocol(header_timeout_s: float, body_timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with two read deadlines, which uvicorn lacks (its keep-alive timer stops at the
-    first byte of a request): the request line and headers within header_timeout_s of the connection opening
-    (or of the previous response ending), the body within body_timeout_s after them. Past either the
-    connection is closed; an app waiting on the body sees the client gone."""
+def deadline_protocol(header_timeout_s: float, body_timeout_s: float, write_timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with the deadlines uvicorn lacks (its keep-alive timer stops at the first byte of a
+    request, and a write to a client that stopped reading waits forever): the request line and headers within
+    header_timeout_s of the connection opening (or of the previous response ending), the body within
+    body_timeout_s after them, and a response whose writes are stalled (kernel and transport buffers full) for
+    write_timeout_s. Past any of them the connection is aborted; the app sees the client gone (a stream is cut:
+    its generation is cancelled and its usage recorded as for any disconnect)."""
 
     class DeadlineH11Protocol(H11Protocol):
         _read_deadline: asyncio.TimerHandle | None = None
         _awaiting: str | None = None  # "headers" or "body" while a deadline runs
+        _write_deadline: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -48,7 +51,22 @@ def deadline_protocol(header_timeout_s: float, body_timeout_s: float) -> type[H1
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            self._write_resumed()
             super().connection_lost(exc)
+
+        def pause_writing(self) -> None:  # the transport's buffer is past its high-water mark
+            super().pause_writing()
+            if self._write_deadline is None:
+                self._write_deadline = self.loop.call_later(write_timeout_s, self._abort)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            self._write_resumed()
+
+        def _write_resumed(self) -> None:
+            if self._write_deadline is not None:
+                self._write_deadline.cancel()
+                self._write_deadline = None
 
         def _arm(self, awaiting: str, seconds: float) -> None:
             self._disarm()
@@ -62,8 +80,12 @@ def deadline_protocol(header_timeout_s: float, body_timeout_s: float) -> type[H1
 
         def _read_timed_out(self) -> None:
             self._read_deadline, self._awaiting = None, None
-            if not self.transport.is_closing():
-                self.transport.close()
+            self._abort()
+
+        def _abort(self) -> None:
+            # abort, not close: close() would first wait to flush what a client that stopped reading never takes.
+            self._write_deadline = None
+            self.transport.abort()
 
     return DeadlineH11Protocol
 

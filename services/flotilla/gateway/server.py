@@ -41,7 +41,8 @@ def uvicorn_config(app, settings: GatewaySettings, **options) -> uvicorn.Config:
     (connection_limits.py). `app` is the whole ASGI app, its middlewares installed."""
     guarded = ConcurrencyLimit(app, settings.max_concurrent_requests, settings.retry_after_s)
     return uvicorn.Config(guarded, host=settings.host, port=settings.port, lifespan="on",
-                          http=deadline_protocol(settings.header_timeout_s, settings.body_timeout_s),
+                          http=deadline_protocol(settings.header_timeout_s, settings.body_timeout_s,
+                                                settings.write_timeout_s),
                           h11_max_incomplete_event_size=settings.max_header_bytes,
                           limit_concurrency=settings.max_connections, **options)
 
