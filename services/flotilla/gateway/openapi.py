@@ -40,6 +40,7 @@ SECURITY = [{"bearerAuth": []}, {"apiKeyAuth": []}]
 ALL_ERRORS = tuple(sorted({kind.status for kind in ErrorKind if kind is not ErrorKind.METHOD_NOT_ALLOWED}))
 LOOKUP_ERRORS = (400, 401, 403, 404, 500, 503)  # what GET routes behind authentication can answer
 PROBE_ERRORS = (503,)
+IDEMPOTENCY_ERRORS = (409, 422)  # idempotency.py: the key's first request still runs / had another body
 
 
 @dataclass(frozen=True)
@@ -52,36 +53,48 @@ class Operation:
     authenticated: bool = True
     headers: tuple[str, ...] = ()  # names in HEADERS
     fields: dict[str, field_support.Status] | None = None  # the field_support table for the request's fields
+    example: dict | None = None  # a valid body (without "model": the gateway's --default-model, if it has one)
 
 
+_CHAT_EXAMPLE = {"max_tokens": 8, "messages": [{"role": "user", "content": "Say hello"}]}
+def _any_case(words: tuple[str, ...]) -> str:
+    """A pattern matching `words` in any letter case (JSON Schema patterns have no case-insensitive flag)."""
+    return "^(" + "|".join("".join(f"[{c.lower()}{c.upper()}]" for c in word) for word in words) + ")$"
+
+
+# Header values as the gateway parses them (h11 strips surrounding whitespace first).
 HEADERS = {
     "idempotency-key": {"name": "Idempotency-Key", "description": "replays the stored answer of an earlier "
-                        "request with the same key (per API key); ignored by streamed requests",
-                        "schema": {"type": "string", "minLength": 1, "maxLength": MAX_KEY_LENGTH}},
+                        "request with the same key (per API key); ignored by streamed requests and when empty",
+                        "schema": {"type": "string", "maxLength": MAX_KEY_LENGTH}},
     "priority": {"name": PRIORITY_HEADER, "description": "serve as this priority class; may only lower the key's",
-                 "schema": {"enum": list(PRIORITY_CLASSES)}},
-    "deadline": {"name": DEADLINE_HEADER, "description": "the request's deadline in milliseconds",
-                 "schema": {"type": "string", "pattern": f"^[0-9]{{1,{MAX_DEADLINE_DIGITS}}}$"}},
-    "resumable": {"name": "x-flotilla-resumable", "description": "true: a streamed answer survives a dropped "
-                  "connection for the grace period (GET /v1/streams/{stream_id} resumes it)",
-                  "schema": {"enum": ["true", "false"]}},
+                 "schema": {"type": "string", "pattern": _any_case(PRIORITY_CLASSES)}},
+    "deadline": {"name": DEADLINE_HEADER, "description": "the request's deadline in milliseconds (> 0)",
+                 "schema": {"type": "string", "pattern": f"^(?=[0-9]{{1,{MAX_DEADLINE_DIGITS}}}$)0*[1-9][0-9]*$"}},
+    "resumable": {"name": "x-flotilla-resumable", "description": "true, 1 or yes (any case): a streamed answer "
+                  "survives a dropped connection for the grace period (GET /v1/streams/{stream_id} resumes it); "
+                  "any other value: it does not", "schema": {"type": "string"}},
 }
 GENERATION_HEADERS = ("idempotency-key", "priority", "deadline", "resumable")
 
 OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/v1/chat/completions"): Operation("Chat completion (OpenAI)", ChatCompletionRequest,
                                                 shapes.CHAT_COMPLETION, True, headers=GENERATION_HEADERS,
-                                                fields=field_support.CHAT_FIELDS),
+                                                fields=field_support.CHAT_FIELDS, example=_CHAT_EXAMPLE),
     ("POST", "/v1/completions"): Operation("Text completion (OpenAI)", CompletionRequest, shapes.COMPLETION, True,
-                                           headers=GENERATION_HEADERS, fields=field_support.COMPLETION_FIELDS),
+                                           headers=GENERATION_HEADERS, fields=field_support.COMPLETION_FIELDS,
+                                           example={"prompt": "Once upon a time", "max_tokens": 8}),
     ("POST", "/v1/messages"): Operation("Message (Anthropic)", MessagesRequest, shapes.MESSAGE, True,
-                                        headers=GENERATION_HEADERS, fields=field_support.MESSAGES_FIELDS),
+                                        headers=GENERATION_HEADERS, fields=field_support.MESSAGES_FIELDS,
+                                        example=_CHAT_EXAMPLE),
     ("POST", "/v1/messages/count_tokens"): Operation("Count a prompt's tokens (Anthropic)", CountTokensRequest,
                                                      shapes.COUNT_TOKENS, headers=("priority",),
-                                                     fields=field_support.COUNT_TOKENS_FIELDS),
+                                                     fields=field_support.COUNT_TOKENS_FIELDS,
+                                                     example={"messages": _CHAT_EXAMPLE["messages"]}),
     ("POST", "/v1/batch-generate"): Operation("One input through a fixed-batch model", BatchGenerateRequest,
                                               shapes.BATCH_GENERATION, headers=("idempotency-key", "priority",
-                                                                                "deadline")),
+                                                                                "deadline"),
+                                              example={"input": "hello"}),
     ("GET", "/v1/models"): Operation("The served models", response=shapes.MODEL_LIST, errors=LOOKUP_ERRORS,
                                      headers=("priority",)),
     ("GET", "/v1/models/{model_id}"): Operation("One served model, by name or alias", response=shapes.MODEL,
@@ -155,14 +168,18 @@ def _describe(operation: dict, method: str, path: str, dialect: Dialect) -> None
         operation["summary"] = spec.summary
         parameters += [{**HEADERS[name], "in": "header", "required": False} for name in spec.headers]
         if spec.request is not None:
-            operation["requestBody"] = {"required": True, "content": {"application/json": {
-                "schema": {"$ref": f"#/components/schemas/{spec.request.__name__}"}}}}
+            body = {"schema": {"$ref": f"#/components/schemas/{spec.request.__name__}"}}
+            if spec.example is not None:
+                body["example"] = spec.example
+            operation["requestBody"] = {"required": True, "content": {"application/json": body}}
         content = {"application/json": {"schema": spec.response}} if spec.response is not shapes.SSE else {}
         if spec.streams or spec.response is shapes.SSE:
             content["text/event-stream"] = {"schema": shapes.SSE}
         responses.clear()
         responses["200"] = {"description": "OK", "content": content}
         errors = spec.errors
+        if "idempotency-key" in spec.headers:
+            errors = tuple(sorted({*errors, *IDEMPOTENCY_ERRORS}))
         if spec.authenticated:
             operation["security"] = SECURITY
     else:
@@ -194,7 +211,9 @@ def _request_schemas() -> dict[str, Any]:
 
 
 _STATUS_TEXT = {400: "Invalid request", 401: "Missing or invalid API key", 403: "Not permitted for this key",
-                404: "Unknown model, URL or stream", 413: "Request body too large", 429: "Rate limited",
+                404: "Unknown model, URL or stream", 409: "A request with this Idempotency-Key is still running",
+                413: "Request body too large", 422: "This Idempotency-Key was used with another body",
+                429: "Rate limited",
                 500: "Internal error", 503: "Unavailable (router, key store, or the gateway's limit of requests "
                 "in flight)", 504: "Deadline exceeded", 529: "Overloaded"}
 

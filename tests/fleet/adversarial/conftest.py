@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.fleet import Fleet, fleet_config, start_fleet
+from tests.support.fleet import MODEL, Fleet, fleet_config, start_fleet
 
 HEADER_TIMEOUT_S = 1.0
 WRITE_TIMEOUT_S = 1.0
@@ -19,7 +19,8 @@ def adversarial_fleet(tiny_checkpoint: Path, tmp_path_factory) -> Fleet:
     state_dir = tmp_path_factory.mktemp("adversarial-fleet")
     gateway_args = ["--usage-log", str(state_dir / "usage.jsonl"), "--max-body-bytes", str(MAX_BODY_BYTES),
                     "--header-timeout-s", str(HEADER_TIMEOUT_S), "--body-timeout-s", str(HEADER_TIMEOUT_S),
-                    "--write-timeout-s", str(WRITE_TIMEOUT_S)]
+                    "--write-timeout-s", str(WRITE_TIMEOUT_S),
+                    "--default-model", MODEL]  # bodies without a model (the fuzzer's, the examples) reach it
     config = fleet_config(tiny_checkpoint, state_dir, worker_args=["--num-kv-blocks", "512"],
                           gateway_args=gateway_args)
     with start_fleet(config, keys={"k-attacker": ("mallory", "paid")}) as fleet:
