@@ -33,8 +33,10 @@ from flotilla.tenancy.records import PRIORITY_CLASSES
 
 OPENAPI_PATH = "/openapi.json"
 SECURITY_SCHEMES = {
-    "bearerAuth": {"type": "http", "scheme": "bearer", "description": "Authorization: Bearer <API key> (OpenAI style)"},
-    "apiKeyAuth": {"type": "apiKey", "in": "header", "name": "x-api-key", "description": "the API key (Anthropic style)"},
+    "bearerAuth": {"type": "http", "scheme": "bearer",
+                   "description": "Authorization: Bearer <API key> (OpenAI style)"},
+    "apiKeyAuth": {"type": "apiKey", "in": "header", "name": "x-api-key",
+                   "description": "the API key (Anthropic style)"},
 }
 SECURITY = [{"bearerAuth": []}, {"apiKeyAuth": []}]
 ALL_ERRORS = tuple(sorted({kind.status for kind in ErrorKind if kind is not ErrorKind.METHOD_NOT_ALLOWED}))
