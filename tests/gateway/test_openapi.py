@@ -68,6 +68,8 @@ def test_requests_have_their_schemas_with_bounds_and_field_support(document):
     messages = _resolve(document, document["paths"]["/v1/messages"]["post"]["requestBody"]["content"]
                         ["application/json"]["schema"])
     assert messages["properties"]["max_tokens"]["minimum"] == 1 and "max_tokens" in messages["required"]
+    stop = {member["type"]: member for member in chat["properties"]["stop"]["anyOf"]}  # the engine's bounds
+    assert stop["array"]["maxItems"] == 16 and stop["string"]["maxLength"] == stop["array"]["items"]["maxLength"] == 512
 
 
 def test_both_auth_schemes_are_declared(document):

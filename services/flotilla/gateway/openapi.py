@@ -19,6 +19,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from flotilla.engine.sampling_params import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 from flotilla.gateway import field_support
 from flotilla.gateway import openapi_shapes as shapes
 from flotilla.gateway.admission import DEADLINE_HEADER, MAX_DEADLINE_DIGITS
@@ -204,12 +205,35 @@ def _request_schemas() -> dict[str, Any]:
                                 ref_template="#/components/schemas/{model}")
     defs = top.get("$defs", {})
     for op in OPERATIONS.values():
-        if op.request is not None and op.fields is not None:
+        if op.request is not None:
             properties = defs[op.request.__name__].get("properties", {})
-            for name, status in op.fields.items():
+            for name, status in (op.fields or {}).items():
                 if name in properties:
                     properties[name]["description"] = field_support.describe(status)
+            for name, bounds in ENGINE_BOUNDS.items():
+                if name in properties:
+                    _bound(properties[name], bounds)
     return defs
+
+
+_STOP_STRING = {"minLength": 1, "maxLength": MAX_STOP_LENGTH}
+# Bounds the engine's SamplingParams.validate enforces (a 400 naming the field) rather than the pydantic models:
+# by JSON type, for each member of a union.
+ENGINE_BOUNDS: dict[str, dict[str, dict]] = {
+    "max_tokens": {"integer": {"minimum": 1}},
+    "max_completion_tokens": {"integer": {"minimum": 1}},
+    "seed": {"integer": {"minimum": 0, "maximum": 2**63 - 1}},
+    "stop": {"string": _STOP_STRING, "array": {"maxItems": MAX_STOP_STRINGS, "items": {"type": "string",
+                                                                                        **_STOP_STRING}}},
+    "stop_sequences": {"array": {"maxItems": MAX_STOP_STRINGS, "items": {"type": "string", **_STOP_STRING}}},
+}
+
+
+def _bound(schema: dict, bounds: dict[str, dict]) -> None:
+    for member in schema.get("anyOf", [schema]):
+        extra = bounds.get(member.get("type"))
+        if extra is not None:
+            member.update(extra)
 
 
 _STATUS_TEXT = {400: "Invalid request", 401: "Missing or invalid API key", 403: "Not permitted for this key",
