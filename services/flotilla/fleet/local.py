@@ -44,7 +44,7 @@ class FleetConfig:
     # its min and max and keeps its warm workers loaded out of rotation (num_workers start active).
     autoscale: PoolPolicy | None = None
     autoscale_interval_s: float = 0.1
-    metrics: bool = True  # router and workers serve Prometheus /metrics on free ports (see metrics_targets)
+    metrics: bool = True  # gateway, router and workers serve Prometheus /metrics on free ports (metrics_targets)
     # mTLS between the services, each with its own certificate from this CA (None: a throwaway CA kept in
     # <state_dir>/tls/ca); insecure_internal: plaintext, nobody authenticated (fleet/certs.py).
     ca: CertificateAuthority | None = None
@@ -160,7 +160,8 @@ class LocalFleet:
             auth = ["--redis-url", self.config.redis_url]
         args = [
             "gateway", "--host", self.config.host, "--port", str(self.config.gateway_port),
-            "--router", self.router_address, *auth, *self.certs.args("gateway", "gateway"), *self.config.gateway_args,
+            "--router", self.router_address, *auth, *self.certs.args("gateway", "gateway"), *self._metrics_args("gateway"),
+            *self.config.gateway_args,
         ]  # fmt: skip
         self.gateway = self._service("gateway", args, keep_port=True)  # clients do
         self.gateway.start()
@@ -177,14 +178,12 @@ class LocalFleet:
         return ["--metrics-port", "0", "--metrics-port-file", str(port_file)]
 
     def metrics_targets(self) -> dict[str, str]:
-        """host:port of every running service's /metrics endpoint, by service name (the gateway serves it on
-        its own port; router and workers on the ports they wrote once serving)."""
+        """host:port of every running service's /metrics endpoint, by service name (each on the metrics port it
+        wrote once serving; the gateway's is not its public port)."""
         targets = {}
-        if self.gateway is not None and self.gateway.port is not None:
-            targets["gateway"] = f"{self.config.host}:{self.gateway.port}"
         if self._autoscaler_metrics is not None:
             targets["autoscaler"] = f"{self.config.host}:{self._autoscaler_metrics.port}"
-        for service in [self.router, *self.workers]:
+        for service in [self.gateway, self.router, *self.workers]:
             port = read_port_file(self._metrics_port_file(service.name)) if service is not None else None
             if port is not None and service.is_running():
                 targets[service.name] = f"{self.config.host}:{port}"
