@@ -1,4 +1,4 @@
-"""Sum usage records per tenant (and model), counting each request id once."""
+"""Sum usage records per tenant and traffic class (interactive, batch), counting each request once."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from flotilla.usage.record import STATUS_OK, UsageRecord
 @dataclass
 class TenantUsage:
     tenant: str
+    traffic_class: str = "interactive"  # or "batch": items of batch jobs
     num_requests: int = 0
     num_ok: int = 0
     input_tokens: int = 0
@@ -26,16 +27,23 @@ class TenantUsage:
 
 
 def unique(records: Iterable[UsageRecord]) -> list[UsageRecord]:
-    """First record per request id: a sink write retried after a lost reply must not bill twice."""
-    seen: dict[str, UsageRecord] = {}
+    """One record per request: a sink write retried after a lost reply must not bill twice. A batch item is one
+    request however often it ran (retried after a refusal, re-run after a gateway restart): its first ok
+    record, else its first."""
+    seen: dict[tuple, UsageRecord] = {}
     for record in records:
-        seen.setdefault(record.request_id, record)
+        key = ("item", record.batch_id, record.batch_item) if record.batch_id else ("request", record.request_id)
+        kept = seen.setdefault(key, record)
+        if kept.status != STATUS_OK and record.status == STATUS_OK:
+            seen[key] = record
     return list(seen.values())
 
 
 def per_tenant(records: Iterable[UsageRecord], tenant: str | None = None) -> list[TenantUsage]:
-    totals: dict[str, TenantUsage] = {}
+    """One total per (tenant, traffic class), sorted by both."""
+    totals: dict[tuple[str, str], TenantUsage] = {}
     for record in unique(records):
         if tenant is None or record.tenant == tenant:
-            totals.setdefault(record.tenant, TenantUsage(record.tenant)).add(record)
-    return sorted(totals.values(), key=lambda t: t.tenant)
+            key = (record.tenant, record.traffic_class)
+            totals.setdefault(key, TenantUsage(*key)).add(record)
+    return [totals[key] for key in sorted(totals)]

@@ -8,6 +8,7 @@ import socket
 import uvicorn
 
 from flotilla.gateway.app import create_app
+from flotilla.gateway.batch_jobs.redis_store import RedisBatchStore
 from flotilla.gateway.fault_tolerance import FaultTolerance
 from flotilla.tenancy.keys import KeyStore
 from flotilla.gateway.router_client import RouterClient
@@ -40,7 +41,9 @@ async def serve(settings: GatewaySettings, sockets: list[socket.socket] | None =
     backend = RouterClient(settings.router_address, settings.router_timeout_s)
     tolerance = FaultTolerance.open(settings)  # usage ledger, idempotency, resumable streams
     try:
-        app = create_app(settings, backend, None, gatekeeper=gatekeeper, ledger=tolerance.ledger)
+        batch_store = RedisBatchStore(tolerance.redis) if tolerance.redis is not None else None
+        app = create_app(settings, backend, None, gatekeeper=gatekeeper, ledger=tolerance.ledger,
+                         batch_store=batch_store)
         tolerance.install(app)
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                                 timeout_graceful_shutdown=5, lifespan="on")

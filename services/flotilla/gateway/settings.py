@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flotilla.gateway.batch_jobs.settings import BatchSettings
 from flotilla.tenancy.admission_policy import AdmissionPolicy
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -34,6 +35,7 @@ class GatewaySettings:
     idempotency_ttl_s: float = 24 * 3600.0
     stream_resume_grace_s: float = 30.0
     tool_call_parser: str = "auto"  # how models write tool calls: "auto" (from each chat template) or a syntax name
+    batch: BatchSettings = field(default_factory=BatchSettings)  # batch jobs (/v1/batches, /v1/messages/batches)
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:

@@ -24,9 +24,10 @@ from flotilla.usage.record import STATUS_CANCELLED, STATUS_ERROR, STATUS_OK, Usa
 
 class UsageLedgerTap:
     __slots__ = ("_ledger", "_request", "_model", "_key_id", "_started_at", "_num_output_tokens", "_status",
-                 "_error_code", "_last")
+                 "_error_code", "_last", "_batch_item")
 
-    def __init__(self, ledger: UsageLedger, request: NewRequest, requested_model: str, key_id: str):
+    def __init__(self, ledger: UsageLedger, request: NewRequest, requested_model: str, key_id: str,
+                 batch_item: tuple[str, int] | None = None):
         self._ledger = ledger
         self._request = request
         self._model = requested_model
@@ -36,6 +37,7 @@ class UsageLedgerTap:
         self._status = STATUS_CANCELLED
         self._error_code = ""
         self._last: Finished | Error | None = None  # the terminal event
+        self._batch_item = batch_item  # (job id, index) of a batch-job item
 
     def on_event(self, event: StreamEvent) -> None:
         if type(event) is Chunk:
@@ -61,10 +63,12 @@ class UsageLedgerTap:
         version = last.model_version if last is not None else ""
         attempts = last.num_attempts if last is not None else int(self._num_output_tokens > 0)
         name = self._model.partition("@")[0]
+        batch_id, batch_item = self._batch_item or ("", -1)
         return UsageRecord(
             request_id=request.request_id, tenant=request.tenant_id, key_id=self._key_id,
             model=f"{name}@{version}" if version else self._model, model_version=version,
             input_tokens=(usage.prompt_tokens if usage is not None else 0) or request.num_prompt_tokens,
             cached_input_tokens=usage.cached_prompt_tokens if usage is not None else 0,
             output_tokens=self._num_output_tokens, status=self._status, error_code=self._error_code,
-            attempts=attempts, started_at=self._started_at, finished_at=time.time())
+            attempts=attempts, started_at=self._started_at, finished_at=time.time(), batch_id=batch_id,
+            batch_item=batch_item)
