@@ -7,6 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
+from flotilla.gateway.batch_jobs.settings import BatchSettings
 from flotilla.gateway.settings import DEFAULT_MAX_BODY_BYTES, TOOL_CALL_PARSERS
 
 
@@ -37,6 +38,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--tool-call-parser", default="auto",
                      choices=TOOL_CALL_PARSERS,
                      help="how models write tool calls (default auto: from each model's chat template)")
+    batch = run.add_argument_group("batch jobs (/v1/batches, /v1/messages/batches)")
+    batch.add_argument("--batch-state-file", type=Path, default=None,
+                       help="SQLite file for jobs, items and files when there is no --redis-url "
+                            "(default: in memory, lost at exit)")
+    batch.add_argument("--batch-max-file-bytes", type=int, default=BatchSettings.max_file_bytes)
+    batch.add_argument("--batch-max-requests", type=int, default=BatchSettings.max_requests)
+    batch.add_argument("--batch-concurrency-per-tenant", type=int, default=BatchSettings.concurrency_per_tenant,
+                       help="a tenant's batch items in flight at once, over all its jobs")
+    batch.add_argument("--batch-completion-window-s", type=float, default=BatchSettings.completion_window_s,
+                       help="what completion_window 24h means here (default 86400)")
+    batch.add_argument("--batch-lease-ttl-s", type=float, default=BatchSettings.lease_ttl_s,
+                       help="a job held by a gateway that died is taken over after this long")
     run.set_defaults(func=_run)
 
     key = subparsers.add_parser("gateway-key", help="generate an API key and add its digest to a keys file")
@@ -61,6 +74,12 @@ def _run(args: argparse.Namespace) -> int:
                                redis_fail_mode=args.redis_fail_mode, usage_log=args.usage_log,
                                stream_resume_grace_s=args.stream_resume_grace_s,
                                tool_call_parser=args.tool_call_parser,
+                               batch=BatchSettings(state_file=args.batch_state_file,
+                                                   max_file_bytes=args.batch_max_file_bytes,
+                                                   max_requests=args.batch_max_requests,
+                                                   concurrency_per_tenant=args.batch_concurrency_per_tenant,
+                                                   completion_window_s=args.batch_completion_window_s,
+                                                   lease_ttl_s=args.batch_lease_ttl_s),
                                admission=AdmissionPolicy(args.wait_budget_paid_s, args.wait_budget_free_s,
                                                          args.wait_budget_batch_s))
     from flotilla.observability.setup import setup_observability

@@ -45,7 +45,8 @@ def create_app(settings: GatewaySettings, backend: RouterBackend, key_store: Key
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         refresher = asyncio.create_task(registry.refresh_forever(settings.model_refresh_s))
-        await batch_jobs.start(app)  # resumes the jobs a previous gateway left unfinished
+        # Resumes the jobs a previous gateway left unfinished, once the router's models are known.
+        await batch_jobs.start(app, ready=lambda: bool(registry.models))
         try:
             yield
         finally:

@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp
@@ -60,9 +61,12 @@ class BatchRunner:
         self._controls: dict[str, _Control] = {}
         self._slots: dict[str, asyncio.Semaphore] = {}
         self._resumer: asyncio.Task | None = None
+        self._ready: Callable[[], bool] = lambda: True
 
-    async def start(self, app: ASGIApp) -> None:
+    async def start(self, app: ASGIApp, ready: Callable[[], bool] = lambda: True) -> None:
+        """`ready`: whether the gateway can serve yet (it knows the router's models); no item runs before."""
         self._app = app
+        self._ready = ready
         self._resumer = asyncio.create_task(self._resume_forever(), name="batch-resumer")
 
     async def close(self) -> None:
@@ -96,6 +100,8 @@ class BatchRunner:
         control = self._controls[job_id] = _Control()
         keeper = None
         try:
+            while not self._ready():  # a restarted gateway: its items would be 404s until the model list is in
+                await asyncio.sleep(0.05)
             if not await self.store.acquire_lease(job_id, self.owner, self.settings.lease_ttl_s):
                 return  # another gateway runs it; the resumer tries again if that one dies
             keeper = asyncio.create_task(self._keep_lease(job_id, control))

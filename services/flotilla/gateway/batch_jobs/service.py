@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from starlette.requests import Request
@@ -33,8 +34,8 @@ class BatchJobs:
             store = SQLiteBatchStore(settings.state_file or ":memory:")
         return cls(store, BatchRunner(store, settings), settings, owns_store)
 
-    async def start(self, app: ASGIApp) -> None:
-        await self.runner.start(app)
+    async def start(self, app: ASGIApp, ready: Callable[[], bool]) -> None:
+        await self.runner.start(app, ready)
 
     async def close(self) -> None:
         await self.runner.close()
