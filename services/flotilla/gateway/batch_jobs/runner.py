@@ -182,6 +182,8 @@ class BatchRunner:
         def finished(task: asyncio.Task) -> None:
             running.discard(task)
             slots.release()
+            if not task.cancelled() and task.exception() is not None:  # the store failed: the item runs again later
+                log.warning("batch job %s: an item failed to run: %r", job.id, task.exception())
 
         async def feed() -> None:
             for index, item in enumerate(items):
