@@ -84,6 +84,17 @@ def test_kill_a_worker_and_restart_the_gateway_mid_batch(redis_fleet):
     assert rows["batch-tenant", "interactive"]["num_requests"] == NUM_ITEMS  # the synchronous checks above
 
 
+def test_a_create_retried_with_its_idempotency_key_makes_one_job(redis_fleet):
+    client = openai.OpenAI(base_url=redis_fleet.url + "/v1", api_key=redis_fleet.api_key, max_retries=0)
+    line = {"custom_id": "only", "method": "POST", "url": "/v1/completions", "body": _body(0)}
+    upload = client.files.create(file=("in.jsonl", io.BytesIO(json.dumps(line).encode())), purpose="batch")
+    create = {"input_file_id": upload.id, "endpoint": "/v1/completions", "completion_window": "24h",
+              "extra_headers": {"Idempotency-Key": "nightly-2026-12-01"}}
+    first, again = client.batches.create(**create), client.batches.create(**create)
+    assert again.id == first.id
+    assert [b.id for b in client.batches.list(limit=100)].count(first.id) == 1
+
+
 def test_message_batch_survives_a_gateway_restart_without_redis(tiny_checkpoint, tmp_path):
     state_dir = tmp_path / "state"
     config = fleet_config(tiny_checkpoint, state_dir, worker_args=["--num-kv-blocks", "256"],
