@@ -11,6 +11,7 @@ import time
 from dataclasses import replace
 
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -198,8 +199,11 @@ def test_message_batch_cancel_and_bad_creates(gateway, claude):
 
 @pytest.fixture(scope="module")
 def short_window_gateway(checkpoint_dir, tmp_path_factory):
+    """A 1.5 s completion window, small files (4 KiB, 3 lines, 1 KiB a line), quick retries."""
     gw = InProcessGateway(checkpoint_dir, tmp_path_factory.mktemp("short-window"))
-    gw.settings = replace(gw.settings, batch=BatchSettings(completion_window_s=1.5, retry_s=0.05, max_retry_s=0.2))
+    gw.settings = replace(gw.settings, batch=BatchSettings(completion_window_s=1.5, retry_s=0.05, max_retry_s=0.2,
+                                                           max_file_bytes=4096, max_requests=3,
+                                                           max_line_bytes=1024))
     gw.start()
     yield gw
     gw.stop()
@@ -219,3 +223,19 @@ def test_expiry_keeps_partial_results(short_window_gateway):
     assert expired["custom_id"] == "overloaded" and expired["error"]["code"] == "batch_expired"
     retried = [r for r in short_window_gateway.fake.requests if r.model == "busy"]
     assert len(retried) >= 2  # refused as overloaded: tried again, not answered with the 529
+
+
+def test_file_size_and_line_limits(short_window_gateway):
+    client = openai.OpenAI(base_url=short_window_gateway.base_url + "/v1", api_key=short_window_gateway.paid_key,
+                           max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="at most 3 requests"):
+        client.files.create(file=("in.jsonl", _jsonl([_chat_line(f"l{i}") for i in range(4)])), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="the limit is 1024"):
+        client.files.create(file=("in.jsonl", _jsonl([_chat_line("long", stop=["x" * 1200])])), purpose="batch")
+    with pytest.raises(openai.APIStatusError) as too_large:
+        client.files.create(file=("in.jsonl", io.BytesIO(b"{}\n" * 30_000)), purpose="batch")
+    assert too_large.value.status_code == 413
+    malformed = httpx.post(f"{short_window_gateway.base_url}/v1/files", content=b"--x\r\nnonsense",
+                           headers={"authorization": f"Bearer {short_window_gateway.paid_key}",
+                                    "content-type": "multipart/form-data; boundary=x"})
+    assert malformed.status_code == 400 and malformed.json()["error"]["type"] == "invalid_request_error"

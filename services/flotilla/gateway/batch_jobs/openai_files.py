@@ -7,12 +7,14 @@ from __future__ import annotations
 import time
 
 from starlette.datastructures import UploadFile
+from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from flotilla.gateway.auth import authenticate
 from flotilla.gateway.batch_jobs.records import StoredFile, new_id
 from flotilla.gateway.batch_jobs.service import batch_jobs
+from flotilla.gateway.batch_jobs.settings import BatchSettings
 from flotilla.gateway.body import read_body
 from flotilla.gateway.context import dialect_endpoint, gateway_context
 from flotilla.gateway.dialects import Dialect
@@ -63,11 +65,11 @@ async def _form(request: Request, body: bytes, limit: int):
 
     try:
         return await Request(request.scope, replay).form(max_files=1, max_fields=4, max_part_size=limit)
-    except Exception as err:  # starlette's MultiPartException and parser errors: the body is malformed
+    except MultiPartException as err:  # starlette's, for python-multipart's parse errors and the limits
         raise GatewayError(ErrorKind.INVALID_REQUEST, f"malformed multipart body: {err}") from err
 
 
-def _check_jsonl(content: bytes, settings) -> None:
+def _check_jsonl(content: bytes, settings: BatchSettings) -> None:
     if len(content) > settings.max_file_bytes:
         raise GatewayError(ErrorKind.REQUEST_TOO_LARGE, f"the file is over {settings.max_file_bytes} bytes",
                            param="file")
