@@ -157,6 +157,23 @@ def test_cancel_midway_aborts_items_in_flight(gateway, client):
     wait_until(lambda: sum(r.model == "hang" for r in gateway.fake.cancelled) >= 2, 10, "router calls cancelled")
 
 
+def test_a_tenant_has_at_most_its_batch_concurrency_in_flight(gateway, client):
+    hanging = lambda: [r for r in gateway.fake.requests if r.model == "hang" and r.tenant_id == "acme"]  # noqa: E731
+    cancelled = lambda: [r for r in gateway.fake.cancelled if r.model == "hang"]  # noqa: E731
+    before, cancelled_before = len(hanging()), len(cancelled())
+    limit = gateway.settings.batch.concurrency_per_tenant
+    upload = client.files.create(file=("in.jsonl", _jsonl([_chat_line(f"h{i}", model="hang")
+                                                             for i in range(limit + 2)])), purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    wait_until(lambda: len(hanging()) - before == limit, 20, f"{limit} items in flight", interval_s=0.05)
+    time.sleep(0.5)
+    assert len(hanging()) - before == limit  # the other two wait for a slot
+    client.batches.cancel(batch.id)
+    done = _wait_batch(client, batch.id)
+    assert done.request_counts.failed == limit + 2 and done.output_file_id is None
+    wait_until(lambda: len(cancelled()) - cancelled_before == limit, 10, "the in-flight router calls cancelled")
+
+
 def test_message_batch_with_results(gateway, claude):
     requests = [{"custom_id": f"m-{i}", "params": {"model": "tiny", "max_tokens": 2 + i, "messages": MESSAGES}}
                 for i in range(3)]
