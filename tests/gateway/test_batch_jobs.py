@@ -83,6 +83,10 @@ def test_openai_batch_end_to_end(gateway, client):
     assert error["custom_id"] == "bad-temperature" and error["response"]["status_code"] == 400
     assert error["response"]["body"]["error"]["param"] == "temperature"
 
+    sample = gateway.metrics.registry.get_sample_value
+    assert sample("flotilla_gateway_batch_items_total", {"result": "succeeded"}) >= 5
+    assert sample("flotilla_gateway_batch_items_total", {"result": "errored"}) >= 1
+
     deleted = client.files.delete(upload.id)
     assert deleted.deleted
     with pytest.raises(openai.NotFoundError):
@@ -240,6 +244,10 @@ def test_expiry_keeps_partial_results(short_window_gateway):
     assert expired["custom_id"] == "overloaded" and expired["error"]["code"] == "batch_expired"
     retried = [r for r in short_window_gateway.fake.requests if r.model == "busy"]
     assert len(retried) >= 2  # refused as overloaded: tried again, not answered with the 529
+    sample = short_window_gateway.metrics.registry.get_sample_value
+    assert sample("flotilla_gateway_batch_item_retries_total", {"status": "529"}) >= 1
+    assert sample("flotilla_gateway_batch_items_total", {"result": "expired"}) == 1
+    assert sample("flotilla_gateway_batch_items_in_flight") == 0
 
 
 def test_file_size_and_line_limits(short_window_gateway):

@@ -26,6 +26,7 @@ from starlette.types import ASGIApp
 from flotilla.gateway.auth import Principal
 from flotilla.gateway.batch_jobs import openai_jsonl
 from flotilla.gateway.batch_jobs.dispatch import call_app
+from flotilla.gateway.batch_jobs.metrics import BatchMetrics
 from flotilla.gateway.batch_jobs.records import (ANTHROPIC, CANCELED, CANCELLED, CANCELLING, COMPLETED,
                                                  ERRORED, EXPIRED, EXPIRED_ITEM, FAILED, FINALIZING, IN_PROGRESS,
                                                  OPENAI, SUCCEEDED, VALIDATING, BatchJob, ItemResult, StoredFile,
@@ -52,9 +53,10 @@ class _Control:
 
 
 class BatchRunner:
-    def __init__(self, store: BatchStore, settings: BatchSettings):
+    def __init__(self, store: BatchStore, settings: BatchSettings, metrics: BatchMetrics | None = None):
         self.store = store
         self.settings = settings
+        self.metrics = metrics or BatchMetrics()
         self.owner = new_id("gw_")  # this process, as a lease holder
         self._app: ASGIApp | None = None
         self._tasks: dict[str, asyncio.Task] = {}
@@ -182,6 +184,7 @@ class BatchRunner:
         def finished(task: asyncio.Task) -> None:
             running.discard(task)
             slots.release()
+            self.metrics.in_flight.dec()
             if not task.cancelled() and task.exception() is not None:  # the store failed: the item runs again later
                 log.warning("batch job %s: an item failed to run: %r", job.id, task.exception())
 
@@ -190,6 +193,7 @@ class BatchRunner:
                 if index not in done and not control.stop.is_set():
                     await slots.acquire()
                     task = asyncio.create_task(self._run_item(job, index, item))
+                    self.metrics.in_flight.inc()
                     running.add(task)
                     task.add_done_callback(finished)
             while running:
@@ -224,7 +228,7 @@ class BatchRunner:
         if body.get("stream"):
             dialect = Dialect.ANTHROPIC if job.dialect == ANTHROPIC else Dialect.OPENAI
             error = GatewayError(ErrorKind.INVALID_REQUEST, "stream is not supported in a batch", param="stream")
-            await self.store.put_result(job.id, index, ItemResult(ERRORED, 400, error_body(dialect, error)))
+            await self._put_result(job.id, index, ItemResult(ERRORED, 400, error_body(dialect, error)))
             return
         payload = json.dumps(body).encode()
         delay, faults = self.settings.retry_s, 0
@@ -234,11 +238,16 @@ class BatchRunner:
             if response.status not in RETRY_ALWAYS and not (response.status in RETRY_FAULTS
                                                             and faults < MAX_FAULTS):
                 break
+            self.metrics.retries.labels(str(response.status)).inc()
             await asyncio.sleep(min(max(delay, _retry_after_s(response.headers)), self.settings.max_retry_s))
             delay = min(delay * 2, self.settings.max_retry_s)
         kind = SUCCEEDED if 200 <= response.status < 300 else ERRORED
-        await self.store.put_result(job.id, index, ItemResult(kind, response.status, response.json(),
-                                                              response.headers.get("x-request-id", "")))
+        await self._put_result(job.id, index, ItemResult(kind, response.status, response.json(),
+                                                   response.headers.get("x-request-id", "")))
+
+    async def _put_result(self, job_id: str, index: int, result: ItemResult) -> None:
+        if await self.store.put_result(job_id, index, result):
+            self.metrics.results.labels(result.type).inc()
 
     async def _finish(self, job: BatchJob, items: list[dict], ending: str) -> None:
         if ending != COMPLETED:
@@ -246,7 +255,7 @@ class BatchRunner:
             unanswered = ItemResult(CANCELED if ending == CANCELLED else EXPIRED_ITEM)
             for index in range(len(items)):
                 if index not in results:
-                    await self.store.put_result(job.id, index, unanswered)
+                    await self._put_result(job.id, index, unanswered)
         now = time.time()
         if ending != CANCELLED:
             job.enter(FINALIZING, now)

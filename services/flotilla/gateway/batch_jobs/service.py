@@ -6,12 +6,14 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from prometheus_client import CollectorRegistry
 from starlette.requests import Request
 from starlette.types import ASGIApp
 
 from flotilla.gateway.auth import Principal
 from flotilla.gateway.batch_jobs.records import (CANCELLING, IN_PROGRESS, VALIDATING, BatchJob, JobOwner,
                                                  StoredFile)
+from flotilla.gateway.batch_jobs.metrics import BatchMetrics
 from flotilla.gateway.batch_jobs.runner import BatchRunner
 from flotilla.gateway.batch_jobs.settings import BatchSettings
 from flotilla.gateway.batch_jobs.sqlite_store import SQLiteBatchStore
@@ -27,12 +29,14 @@ class BatchJobs:
     owns_store: bool
 
     @classmethod
-    def create(cls, settings: BatchSettings, store: BatchStore | None = None) -> BatchJobs:
-        """`store` (Redis) is the caller's to close; without one, SQLite in settings.state_file (or memory)."""
+    def create(cls, settings: BatchSettings, store: BatchStore | None = None,
+               registry: CollectorRegistry | None = None) -> BatchJobs:
+        """`store` (Redis) is the caller's to close; without one, SQLite in settings.state_file (or memory).
+        Metrics go to `registry` (the gateway's)."""
         owns_store = store is None
         if store is None:
             store = SQLiteBatchStore(settings.state_file or ":memory:")
-        return cls(store, BatchRunner(store, settings), settings, owns_store)
+        return cls(store, BatchRunner(store, settings, BatchMetrics(registry)), settings, owns_store)
 
     async def start(self, app: ASGIApp, ready: Callable[[], bool]) -> None:
         await self.runner.start(app, ready)
