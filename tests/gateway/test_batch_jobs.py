@@ -78,7 +78,8 @@ def test_openai_batch_end_to_end(gateway, client):
         assert body["object"] == "chat.completion"
         assert body["choices"][0]["message"]["content"] == canned_text(min(3 + i, NUM_NATURAL_TOKENS))
         sent = gateway.fake.request_by_id(line["response"]["request_id"])
-        assert sent.priority == common_pb2.PRIORITY_CLASS_BATCH and sent.tenant_id == "acme"  # the batch class, the owner's tenant
+        # The batch class, the owner's tenant.
+        assert sent.priority == common_pb2.PRIORITY_CLASS_BATCH and sent.tenant_id == "acme"
     [error] = _lines(client.files.content(done.error_file_id))
     assert error["custom_id"] == "bad-temperature" and error["response"]["status_code"] == 400
     assert error["response"]["body"]["error"]["param"] == "temperature"
