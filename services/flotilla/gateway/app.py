@@ -40,7 +40,7 @@ def create_app(settings: GatewaySettings, backend: RouterBackend, key_store: Key
     if gatekeeper is None and key_store is not None:
         gatekeeper = Gatekeeper(key_store.as_async(), LocalQuotaStore())
     context = GatewayContext(settings, backend, registry, key_store, metrics, gatekeeper, ledger)
-    batch_jobs = BatchJobs.create(settings.batch, batch_store, metrics.registry)
+    batch_jobs = BatchJobs.create(settings.batch, batch_store, metrics.registry, ledger)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

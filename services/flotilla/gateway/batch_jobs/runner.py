@@ -5,8 +5,9 @@ Every item is one call through the gateway's own app (dispatch.py) in the batch 
 only while no interactive request waits and the engine preempts it first. A refusal that says "later"
 (429, 503, 529; a 500 or 504 up to MAX_FAULTS times) is retried with backoff until the completion window ends;
 any other answer is the item's result. `put_result` keeps the first result of an item, and an item with one is
-never run again, so an item re-run after a crash is answered and counted once (the usage ledger dedups it by
-(job, index), usage/summary.py).
+never run again, so an item re-run after a crash is answered and counted once. The usage ledger is flushed
+before a result is kept, so an answered item always has its record; one re-run after a crash has two, which
+usage/summary.py counts once by (job, index).
 
 Cancel and expiry cancel the items in flight (their router calls end, the engine aborts them); items without a
 result become canceled/expired, and the answered ones stay: partial results.
@@ -36,6 +37,7 @@ from flotilla.gateway.batch_jobs.store import BatchStore
 from flotilla.gateway.dialects import Dialect, error_body
 from flotilla.gateway.errors import ErrorKind, GatewayError
 from flotilla.tenancy.records import Limits
+from flotilla.usage.ledger import UsageLedger
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +55,12 @@ class _Control:
 
 
 class BatchRunner:
-    def __init__(self, store: BatchStore, settings: BatchSettings, metrics: BatchMetrics | None = None):
+    def __init__(self, store: BatchStore, settings: BatchSettings, metrics: BatchMetrics | None = None,
+                 ledger: UsageLedger | None = None):
         self.store = store
         self.settings = settings
         self.metrics = metrics or BatchMetrics()
+        self.ledger = ledger  # flushed before a result is kept: an answered item is always billed
         self.owner = new_id("gw_")  # this process, as a lease holder
         self._app: ASGIApp | None = None
         self._tasks: dict[str, asyncio.Task] = {}
@@ -241,6 +245,8 @@ class BatchRunner:
             self.metrics.retries.labels(str(response.status)).inc()
             await asyncio.sleep(min(max(delay, _retry_after_s(response.headers)), self.settings.max_retry_s))
             delay = min(delay * 2, self.settings.max_retry_s)
+        if self.ledger is not None:  # a crash after this re-runs the item: billed twice, deduplicated by summary
+            await self.ledger.flush()
         kind = SUCCEEDED if 200 <= response.status < 300 else ERRORED
         await self._put_result(job.id, index, ItemResult(kind, response.status, response.json(),
                                                    response.headers.get("x-request-id", "")))

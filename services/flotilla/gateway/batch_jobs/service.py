@@ -19,6 +19,7 @@ from flotilla.gateway.batch_jobs.settings import BatchSettings
 from flotilla.gateway.batch_jobs.sqlite_store import SQLiteBatchStore
 from flotilla.gateway.batch_jobs.store import BatchStore
 from flotilla.gateway.errors import ErrorKind, GatewayError
+from flotilla.usage.ledger import UsageLedger
 
 
 @dataclass
@@ -30,13 +31,13 @@ class BatchJobs:
 
     @classmethod
     def create(cls, settings: BatchSettings, store: BatchStore | None = None,
-               registry: CollectorRegistry | None = None) -> BatchJobs:
+               registry: CollectorRegistry | None = None, ledger: UsageLedger | None = None) -> BatchJobs:
         """`store` (Redis) is the caller's to close; without one, SQLite in settings.state_file (or memory).
-        Metrics go to `registry` (the gateway's)."""
+        Metrics go to `registry` (the gateway's); `ledger` is the gateway's usage ledger."""
         owns_store = store is None
         if store is None:
             store = SQLiteBatchStore(settings.state_file or ":memory:")
-        return cls(store, BatchRunner(store, settings, BatchMetrics(registry)), settings, owns_store)
+        return cls(store, BatchRunner(store, settings, BatchMetrics(registry), ledger), settings, owns_store)
 
     async def start(self, app: ASGIApp, ready: Callable[[], bool]) -> None:
         await self.runner.start(app, ready)
