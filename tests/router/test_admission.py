@@ -9,7 +9,7 @@ import pytest
 
 from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.router.v1 import router_pb2 as rpb
-from flotilla.router.admission import Admission, RouterError
+from flotilla.router.admission import Admission, RouterError, Ticket
 from flotilla.router.placement import PlacementLimits
 from flotilla.router.registry import WorkerRegistry
 
@@ -22,12 +22,12 @@ class Clock:
         return self.now
 
 
-def make(expected=("tiny",), max_requests=4, max_queue_depth=8, max_wait_s=30.0, aliases=None):
+def make(expected=("tiny",), max_requests=4, max_queue_depth=8, max_wait_s=30.0, aliases=None, limits=None):
     clock = Clock()
     # Channels to a closed port: created lazily, never dialled by these tests.
     registry = WorkerRegistry(heartbeat_timeout_s=1.0, clock=clock,
                               channel_factory=lambda address: grpc.aio.insecure_channel(address))
-    admission = Admission(registry, aliases or {}, expected, PlacementLimits(32_768, max_requests),
+    admission = Admission(registry, aliases or {}, expected, limits or PlacementLimits(32_768, max_requests),
                           max_queue_depth, max_wait_s)
     return registry, admission, clock
 
@@ -163,3 +163,16 @@ async def test_aliases_resolve_before_placement():
     registry, admission, _ = make(expected=(), aliases={"default": "tiny"})
     register(registry, "w1")
     assert (await admission.acquire("default", 5)).resolution.qualified == "tiny@v1"
+
+
+async def test_a_batch_request_waits_for_free_kv_above_the_watermark():
+    registry, admission, _ = make(limits=PlacementLimits(32_768, 4, batch_min_free_kv_fraction=0.5))
+    register(registry, "w1", free=16)  # 16 of 64 blocks free: under the watermark
+    batch = asyncio.create_task(admission.acquire("tiny", 5, ticket=Ticket(priority=pb.PRIORITY_CLASS_BATCH)))
+    await asyncio.sleep(0)
+    assert admission.queue_depth("tiny", pb.PRIORITY_CLASS_BATCH) == 1 and not batch.done()
+    interactive = await admission.acquire("tiny", 5)  # placed at once on the same worker
+    assert interactive.worker.worker_id == "w1"
+    report(registry, "w1", free=48)
+    admission.dispatch()
+    assert (await batch).worker.worker_id == "w1"

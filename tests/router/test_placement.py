@@ -114,3 +114,13 @@ def test_an_idle_tenant_may_go_over_the_request_cap_by_the_extra_slots_only():
     assert not can_admit(full, 10, LIMITS, idle_tenant=True)  # off by default
     with pytest.raises(ValueError):
         PlacementLimits(idle_tenant_extra_slots=-1)
+
+
+def test_batch_requests_keep_off_workers_below_the_free_kv_watermark():
+    limits = PlacementLimits(1000, 4, batch_min_free_kv_fraction=0.25)
+    loads = [load("a", free=20), load("b", queued=500, free=30)]
+    assert choose_worker(loads, 10, limits) == "a"  # interactive: the most headroom, watermark or not
+    assert choose_worker(loads, 10, limits, batch=True) == "b"
+    assert choose_worker([load("a", free=24)], 10, limits, batch=True) is None
+    with pytest.raises(ValueError):
+        PlacementLimits(batch_min_free_kv_fraction=1.0)

@@ -16,9 +16,10 @@ from flotilla.usage.record import UsageRecord
 from flotilla.usage.sinks import FileSink, RedisStreamSink
 
 
-def _record(request_id: str, tenant: str, output: int, finished_at: float, status: str = "ok") -> UsageRecord:
+def _record(request_id: str, tenant: str, output: int, finished_at: float, status: str = "ok",
+            batch_item: tuple[str, int] = ("", -1)) -> UsageRecord:
     return UsageRecord(request_id, tenant, "k1", "m@v1", "v1", 10, 4, output, status, "", 1, finished_at - 1,
-                       finished_at)
+                       finished_at, *batch_item)
 
 
 class _FlakySink:
@@ -65,19 +66,27 @@ def test_flotilla_usage_sums_per_tenant_and_time_range(tmp_path):
     path = tmp_path / "usage.jsonl"
     records = [_record("a", "t1", 5, 1000.0), _record("b", "t1", 7, 2000.0), _record("c", "t2", 1, 2000.0),
                _record("a", "t1", 5, 1000.0),  # a write retried after a lost reply: counted once
-               _record("d", "t1", 2, 3000.0, status="cancelled")]
+               _record("d", "t1", 2, 3000.0, status="cancelled"),
+               # Batch item 0 refused once, then served: one request, billed once; item 1 re-run after a restart.
+               _record("e", "t1", 0, 1500.0, status="error", batch_item=("batch_1", 0)),
+               _record("f", "t1", 3, 1600.0, batch_item=("batch_1", 0)),
+               _record("g", "t1", 4, 1700.0, batch_item=("batch_1", 1)),
+               _record("h", "t1", 4, 1800.0, batch_item=("batch_1", 1))]
     asyncio.run(FileSink(path).append(records))
     with open(path, "a") as torn:
         torn.write('{"request_id": "torn')  # a writer killed mid-line
     out = subprocess.run([sys.executable, "-m", "flotilla.cli", "usage", "--file", str(path), "--since", "500",
                           "--until", "2500", "--json"], capture_output=True, text=True, check=True).stdout
-    totals = {t["tenant"]: t for t in map(json.loads, out.splitlines())}
-    assert totals["t1"] == {"tenant": "t1", "num_requests": 2, "num_ok": 2, "input_tokens": 20,
-                            "cached_input_tokens": 8, "output_tokens": 12}
-    assert totals["t2"]["output_tokens"] == 1
+    totals = {(t["tenant"], t["traffic_class"]): t for t in map(json.loads, out.splitlines())}
+    assert totals["t1", "interactive"] == {"tenant": "t1", "traffic_class": "interactive", "num_requests": 2,
+                                           "num_ok": 2, "input_tokens": 20, "cached_input_tokens": 8,
+                                           "output_tokens": 12}
+    assert totals["t1", "batch"]["num_requests"] == 2 and totals["t1", "batch"]["output_tokens"] == 7
+    assert totals["t2", "interactive"]["output_tokens"] == 1
     table = subprocess.run([sys.executable, "-m", "flotilla.cli", "usage", "--file", str(path), "--tenant", "t1"],
                            capture_output=True, text=True, check=True).stdout
-    assert table.splitlines()[1].split() == ["t1", "3", "2", "30", "12", "14"]
+    assert table.splitlines()[1].split() == ["t1", "batch", "2", "2", "20", "8", "7"]
+    assert table.splitlines()[2].split() == ["t1", "interactive", "3", "2", "30", "12", "14"]
 
 
 def test_checkpoints_bill_a_request_once_and_a_final_record_supersedes_them():

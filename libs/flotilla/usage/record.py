@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 
 STATUS_OK = "ok"  # finished (stop or length)
 STATUS_ERROR = "error"  # ended with an error (see error_code)
@@ -31,16 +31,25 @@ class UsageRecord:
     attempts: int  # workers the request was placed on (1 without a failure; 0 if never placed)
     started_at: float  # unix seconds
     finished_at: float
+    batch_id: str = ""  # the batch job this request was an item of; "" for interactive traffic
+    batch_item: int = -1  # its index in that job
+
+    @property
+    def traffic_class(self) -> str:
+        return "batch" if self.batch_id else "interactive"
 
     def to_fields(self) -> dict[str, str]:
         return {name: str(value) for name, value in asdict(self).items()}
 
     @classmethod
     def from_fields(cls, raw: dict[str, str]) -> UsageRecord:
-        """From Redis stream fields or a JSON object; unknown fields are ignored, missing ones are an error."""
+        """From Redis stream fields or a JSON object; unknown fields are ignored, missing ones are an error
+        (except those with a default: records written before they existed)."""
         values = {}
         for f in fields(cls):
             if f.name not in raw:
+                if f.default is not MISSING:
+                    continue
                 raise ValueError(f"usage record without {f.name!r}: {raw!r}")
             values[f.name] = _typed(f.type, raw[f.name])
         return cls(**values)

@@ -1,4 +1,4 @@
-"""Sum usage records per tenant (and model), counting each request id once."""
+"""Sum usage records per tenant and traffic class (interactive, batch), counting each request once."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from flotilla.usage.record import STATUS_INTERRUPTED, STATUS_OK, STATUS_OPEN, Us
 @dataclass
 class TenantUsage:
     tenant: str
+    traffic_class: str = "interactive"  # or "batch": items of batch jobs
     num_requests: int = 0
     num_ok: int = 0
     input_tokens: int = 0
@@ -26,24 +27,32 @@ class TenantUsage:
 
 
 def unique(records: Iterable[UsageRecord]) -> list[UsageRecord]:
-    """One record per request id: its first final record (a sink write retried after a lost reply must not bill
-    twice), else, for a request whose gateway died mid-stream, its checkpoint with the most delivered tokens, as
-    status `interrupted`; one that had delivered nothing (its admission record only) bills nothing."""
-    final: dict[str, UsageRecord] = {}
-    checkpoints: dict[str, UsageRecord] = {}
+    """One record per request: its first final record (a sink write retried after a lost reply must not bill
+    twice). A batch item is one request however often it ran (retried after a refusal, re-run after a gateway
+    restart): its first ok record, else its first. A request with no final record (its gateway died mid-stream)
+    bills its checkpoint with the most delivered tokens, as status `interrupted`; one that had delivered nothing
+    (its admission record only) bills nothing."""
+    final: dict[tuple, UsageRecord] = {}
+    checkpoints: dict[tuple, UsageRecord] = {}
     for record in records:
-        if record.status != STATUS_OPEN:
-            final.setdefault(record.request_id, record)
-        elif record.output_tokens >= getattr(checkpoints.get(record.request_id), "output_tokens", -1):
-            checkpoints[record.request_id] = record
-    interrupted = [replace(r, status=STATUS_INTERRUPTED) for i, r in checkpoints.items()
-                   if i not in final and r.output_tokens > 0]
+        key = ("item", record.batch_id, record.batch_item) if record.batch_id else ("request", record.request_id)
+        if record.status == STATUS_OPEN:
+            if record.output_tokens >= getattr(checkpoints.get(key), "output_tokens", -1):
+                checkpoints[key] = record
+            continue
+        kept = final.setdefault(key, record)
+        if kept.status != STATUS_OK and record.status == STATUS_OK:
+            final[key] = record
+    interrupted = [replace(r, status=STATUS_INTERRUPTED) for key, r in checkpoints.items()
+                   if key not in final and r.output_tokens > 0]
     return [*final.values(), *interrupted]
 
 
 def per_tenant(records: Iterable[UsageRecord], tenant: str | None = None) -> list[TenantUsage]:
-    totals: dict[str, TenantUsage] = {}
+    """One total per (tenant, traffic class), sorted by both."""
+    totals: dict[tuple[str, str], TenantUsage] = {}
     for record in unique(records):
         if tenant is None or record.tenant == tenant:
-            totals.setdefault(record.tenant, TenantUsage(record.tenant)).add(record)
-    return sorted(totals.values(), key=lambda t: t.tenant)
+            key = (record.tenant, record.traffic_class)
+            totals.setdefault(key, TenantUsage(*key)).add(record)
+    return [totals[key] for key in sorted(totals)]

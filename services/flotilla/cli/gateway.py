@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from flotilla.cli.tls_flags import add_tls_flags, internal_tls
+from flotilla.gateway.batch_jobs.settings import BatchSettings
 from flotilla.gateway.settings import DEFAULT_MAX_BODY_BYTES, TOOL_CALL_PARSERS, GatewaySettings
 
 
@@ -58,6 +59,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             ("--max-streams-per-key", int, "open streams per API key in this gateway (past it: 429)")):
         default = getattr(hygiene, flag[2:].replace("-", "_"))
         run.add_argument(flag, type=kind, default=default, help=f"{what} (default {default:g})")
+    batch = run.add_argument_group("batch jobs (/v1/batches, /v1/messages/batches)")
+    batch.add_argument("--batch-state-file", type=Path, default=None,
+                       help="SQLite file for jobs, items and files when there is no --redis-url "
+                            "(default: in memory, lost at exit)")
+    batch.add_argument("--batch-max-file-bytes", type=int, default=BatchSettings.max_file_bytes)
+    batch.add_argument("--batch-max-requests", type=int, default=BatchSettings.max_requests)
+    batch.add_argument("--batch-concurrency-per-tenant", type=int, default=BatchSettings.concurrency_per_tenant,
+                       help="a tenant's batch items in flight at once, over all its jobs")
+    batch.add_argument("--batch-completion-window-s", type=float, default=BatchSettings.completion_window_s,
+                       help="what completion_window 24h means here (default 86400)")
+    batch.add_argument("--batch-lease-ttl-s", type=float, default=BatchSettings.lease_ttl_s,
+                       help="a job held by a gateway that died is taken over after this long")
     run.set_defaults(func=_run)
 
     key = subparsers.add_parser("gateway-key", help="generate an API key and add its digest to a keys file")
@@ -90,6 +103,12 @@ def _run(args: argparse.Namespace) -> int:
                                max_header_bytes=args.max_header_bytes, max_connections=args.max_connections,
                                max_concurrent_requests=args.max_concurrent_requests,
                                max_streams_per_key=args.max_streams_per_key,
+                               batch=BatchSettings(state_file=args.batch_state_file,
+                                                   max_file_bytes=args.batch_max_file_bytes,
+                                                   max_requests=args.batch_max_requests,
+                                                   concurrency_per_tenant=args.batch_concurrency_per_tenant,
+                                                   completion_window_s=args.batch_completion_window_s,
+                                                   lease_ttl_s=args.batch_lease_ttl_s),
                                admission=AdmissionPolicy(args.wait_budget_paid_s, args.wait_budget_free_s,
                                                          args.wait_budget_batch_s))
     from flotilla.observability.setup import setup_observability

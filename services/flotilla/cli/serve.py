@@ -85,6 +85,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     router.add_argument("--idle-tenant-extra-slots", type=int, default=1,
                         help="requests a worker may take over --max-requests-per-worker for tenants with nothing "
                              "in flight (their first request starts at once; 0: off)")
+    router.add_argument("--batch-min-free-kv-fraction", type=float, default=0.1,
+                        help="batch-class requests go only to workers with at least this share of KV blocks free "
+                             "(0: off)")
     batch = router.add_argument_group("fixed-batch models (workers started with --backend fixed-batch)")
     batch.add_argument("--batch-latency-budget-ms", type=float, default=500.0,
                        help="p95 end-to-end budget; the flush wait T defaults to budget - 2 L")
@@ -205,7 +208,7 @@ def run_router(args: argparse.Namespace) -> int:
         max_queue_depth=args.max_queue_depth,
         max_queue_wait_s=args.max_queue_wait_s,
         limits=PlacementLimits(args.max_queued_tokens_per_worker, args.max_requests_per_worker,
-                               args.idle_tenant_extra_slots),
+                               args.idle_tenant_extra_slots, args.batch_min_free_kv_fraction),
         batch=BatchSettings(args.batch_latency_budget_ms, args.batch_max_wait_ms, args.batch_max_attempts,
                             args.batch_call_timeout_s, args.batch_max_queue_depth, args.max_queue_wait_s),
         metrics_port=args.metrics_port,

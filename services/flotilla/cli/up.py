@@ -154,7 +154,9 @@ def run_up(args: argparse.Namespace) -> int:
             worker_args=[str(a) for a in settings["worker_args"]],
             router_args=[str(a) for a in settings["router_args"]],
             # Without Redis the usage ledger is an append-only file next to the logs (`flotilla usage --file`).
-            gateway_args=[*([] if settings["redis_url"] else ["--usage-log", str(state_dir / "usage.jsonl")]),
+            # Batch jobs likewise: Redis, else a SQLite file in the state dir (they survive a restart either way).
+            gateway_args=[*([] if settings["redis_url"] else ["--usage-log", str(state_dir / "usage.jsonl"),
+                                                              "--batch-state-file", str(state_dir / "batches.db")]),
                           *(str(a) for a in settings["gateway_args"])],
         )
     )

@@ -1,4 +1,5 @@
-"""`flotilla usage`: usage per tenant over a time range, from the ledger (Redis stream or JSON-lines file)."""
+"""`flotilla usage`: usage per tenant and traffic class (interactive, batch) over a time range, from the ledger
+(Redis stream or JSON-lines file)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ DEFAULT_USAGE_LOG = ".flotilla/usage.jsonl"  # where `flotilla up` writes it wit
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    usage = subparsers.add_parser("usage", help="sum billed tokens per tenant over a time range (usage ledger)")
+    usage = subparsers.add_parser("usage", help="sum billed tokens per tenant, interactive and batch apart, over a "
+                                                 "time range (usage ledger)")
     source = usage.add_mutually_exclusive_group()
     source.add_argument("--redis-url", default=os.environ.get("FLOTILLA_REDIS_URL") or None,
                         help="read the ledger's Redis stream (default $FLOTILLA_REDIS_URL)")
@@ -21,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     usage.add_argument("--since", default=None, help="start: ISO time, unix seconds, or an age like 24h, 30m")
     usage.add_argument("--until", default=None, help="end (exclusive), same forms; default now")
     usage.add_argument("--tenant", default=None, help="only this tenant")
-    usage.add_argument("--json", action="store_true", help="one JSON object per tenant")
+    usage.add_argument("--json", action="store_true", help="one JSON object per tenant and traffic class")
     usage.set_defaults(func=_run)
 
 
@@ -72,8 +74,10 @@ def _run(args: argparse.Namespace) -> int:
         for t in totals:
             sys.stdout.write(json.dumps(t.__dict__) + "\n")
         return 0
-    sys.stdout.write(f"{'tenant':<24} {'requests':>9} {'ok':>7} {'input':>12} {'cached':>12} {'output':>12}\n")
+    sys.stdout.write(f"{'tenant':<24} {'class':<11} {'requests':>9} {'ok':>7} {'input':>12} {'cached':>12} "
+                     f"{'output':>12}\n")
     for t in totals:
-        sys.stdout.write(f"{t.tenant:<24} {t.num_requests:>9} {t.num_ok:>7} {t.input_tokens:>12} "
+        sys.stdout.write(f"{t.tenant:<24} {t.traffic_class:<11} {t.num_requests:>9} {t.num_ok:>7} "
+                         f"{t.input_tokens:>12} "
                          f"{t.cached_input_tokens:>12} {t.output_tokens:>12}\n")
     return 0

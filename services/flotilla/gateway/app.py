@@ -13,6 +13,9 @@ from starlette.responses import Response
 
 from flotilla.gateway import anthropic_api, batch_api, health, models_api, openai_api, openapi
 from flotilla.gateway.connection_limits import StreamSlots
+from flotilla.gateway.batch_jobs import routes as batch_job_routes
+from flotilla.gateway.batch_jobs.service import BatchJobs
+from flotilla.gateway.batch_jobs.store import BatchStore
 from flotilla.gateway.context import GatewayContext, RequestContextMiddleware
 from flotilla.gateway.dialects import dialect_for_path, error_response, http_error
 from flotilla.tenancy.keys import KeyStore
@@ -28,30 +31,36 @@ from flotilla.usage.ledger import UsageLedger
 def create_app(settings: GatewaySettings, backend: RouterBackend, key_store: KeyStore | None,
                tokenizer_builder: TokenizerBuilder = build_engine_tokenizer,
                metrics: GatewayMetrics | None = None, gatekeeper: Gatekeeper | None = None,
-               ledger: UsageLedger | None = None) -> FastAPI:
+               ledger: UsageLedger | None = None, batch_store: BatchStore | None = None) -> FastAPI:
     """The app does not own `backend`, `gatekeeper` or `ledger`: whoever made them closes them after the server
     stops. Without a gatekeeper, `key_store` (in memory, in-process quotas) authenticates; neither: no auth.
-    With a ledger, every request that reaches the router leaves a usage record."""
+    With a ledger, every request that reaches the router leaves a usage record. Batch jobs live in `batch_store`
+    (Redis; the caller's to close), else in SQLite at settings.batch.state_file."""
     metrics = metrics or GatewayMetrics()
     registry = ModelRegistry(backend, tokenizer_builder, settings.min_refresh_gap_s)
     if gatekeeper is None and key_store is not None:
         gatekeeper = Gatekeeper(key_store.as_async(), LocalQuotaStore())
     context = GatewayContext(settings, backend, registry, key_store, metrics, gatekeeper, ledger,
                              StreamSlots(settings.max_streams_per_key, settings.retry_after_s))
+    batch_jobs = BatchJobs.create(settings.batch, batch_store, metrics.registry, ledger)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         refresher = asyncio.create_task(registry.refresh_forever(settings.model_refresh_s))
+        # Resumes the jobs a previous gateway left unfinished, once the router's models are known.
+        await batch_jobs.start(app, ready=lambda: bool(registry.models))
         try:
             yield
         finally:
             refresher.cancel()
             await asyncio.gather(refresher, return_exceptions=True)
+            await batch_jobs.close()
 
     # FastAPI's own spans are off: RequestContextMiddleware opens the request's root span (gateway.request).
     app = FastAPI(title="Flotilla gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=openapi.OPENAPI_PATH, telemetry={"tracing": False})
     app.state.gateway = context
+    app.state.batch_jobs = batch_jobs
     _add_routes(app)
     openapi.install(app)  # generated from the routes (openapi.py)
     app.add_exception_handler(StarletteHTTPException, _http_exception)
@@ -65,6 +74,7 @@ def _add_routes(app: FastAPI) -> None:
     app.add_api_route("/v1/chat/completions", openai_api.create_chat_completion, methods=["POST"])
     app.add_api_route("/v1/completions", openai_api.create_completion, methods=["POST"])
     app.add_api_route("/v1/batch-generate", batch_api.batch_generate, methods=["POST"])
+    batch_job_routes.add_routes(app)  # /v1/files, /v1/batches, /v1/messages/batches
     app.add_api_route("/v1/models", models_api.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", models_api.get_model, methods=["GET"])
     app.add_api_route("/healthz", health.healthz, methods=["GET"])

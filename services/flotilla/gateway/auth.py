@@ -6,6 +6,9 @@ class, limits and prefix-cache salt. A request may ask for another class with `x
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from starlette.datastructures import Headers
@@ -26,6 +29,7 @@ class Principal:
     priority_class: str = "interactive"
     limits: Limits = field(default_factory=Limits)
     cache_salt: str = ""
+    batch_item: tuple[str, int] | None = None  # (job id, item index) of a batch-job item (batch_jobs/)
 
     @property
     def salt(self) -> str:
@@ -33,6 +37,19 @@ class Principal:
 
 
 ANONYMOUS = Principal(key_id="anonymous", tenant="anonymous", tier="paid")
+# Set only around the gateway's own in-process calls (batch_jobs/dispatch.py); a client's request runs in a
+# server task where it is unset, so no header can claim it.
+_ACTING_AS: ContextVar[Principal | None] = ContextVar("flotilla_acting_as", default=None)
+
+
+@contextlib.contextmanager
+def acting_as(principal: Principal) -> Iterator[None]:
+    """Requests made inside this block authenticate as `principal`, whatever their headers."""
+    token = _ACTING_AS.set(principal)
+    try:
+        yield
+    finally:
+        _ACTING_AS.reset(token)
 
 
 def api_key_from_headers(headers: Headers) -> str | None:
@@ -47,6 +64,9 @@ def api_key_from_headers(headers: Headers) -> str | None:
 
 async def authenticate(headers: Headers, gatekeeper: Gatekeeper | None) -> Principal:
     """The caller's principal; a gatekeeper of None means authentication is off (local runs)."""
+    internal = _ACTING_AS.get()
+    if internal is not None:
+        return internal
     priority = _requested_priority(headers)
     if gatekeeper is None:
         return ANONYMOUS if priority is None else Principal("anonymous", "anonymous", "paid", priority)

@@ -29,7 +29,8 @@ from flotilla.gateway.errors import ErrorKind, GatewayError
 
 HEADER = "idempotency-key"
 GENERATION_PATHS = frozenset({"/v1/messages", "/v1/chat/completions", "/v1/completions"})
-IDEMPOTENT_PATHS = GENERATION_PATHS | {"/v1/batch-generate"}  # fixed-batch models (batch_api.py) too
+# Fixed-batch models (batch_api.py) and batch-job creation (batch_jobs/: a retried create makes one job) too.
+IDEMPOTENT_PATHS = GENERATION_PATHS | {"/v1/batch-generate", "/v1/batches", "/v1/messages/batches"}
 KEY_PREFIX = "flotilla:idem:"
 MAX_KEY_LENGTH = 256
 # Final answers; anything else may be retried. Not 401/403: the app authenticates before any work, so storing

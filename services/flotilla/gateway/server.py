@@ -9,6 +9,7 @@ import uvicorn
 
 from flotilla.gateway.app import create_app
 from flotilla.gateway.connection_limits import ConcurrencyLimit, deadline_protocol
+from flotilla.gateway.batch_jobs.redis_store import RedisBatchStore
 from flotilla.gateway.fault_tolerance import FaultTolerance
 from flotilla.gateway.metrics import GatewayMetrics
 from flotilla.tenancy.keys import KeyStore
@@ -55,7 +56,9 @@ async def serve(settings: GatewaySettings, sockets: list[socket.socket] | None =
     metrics = GatewayMetrics()
     metrics_server = None
     try:
-        app = create_app(settings, backend, None, metrics=metrics, gatekeeper=gatekeeper, ledger=tolerance.ledger)
+        batch_store = RedisBatchStore(tolerance.redis) if tolerance.redis is not None else None
+        app = create_app(settings, backend, None, metrics=metrics, gatekeeper=gatekeeper, ledger=tolerance.ledger,
+                         batch_store=batch_store)
         tolerance.install(app)
         if settings.metrics_port is not None:
             from flotilla.observability.exposition import serve_metrics

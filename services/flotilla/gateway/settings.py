@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flotilla.rpc.tls import InternalTLS
+from flotilla.gateway.batch_jobs.settings import BatchSettings
 from flotilla.tenancy.admission_policy import AdmissionPolicy
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -54,6 +55,7 @@ class GatewaySettings:
     metrics_port: int | None = None
     metrics_host: str | None = None  # None: the public host
     metrics_port_file: str | None = None
+    batch: BatchSettings = field(default_factory=BatchSettings)  # batch jobs (/v1/batches, /v1/messages/batches)
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:

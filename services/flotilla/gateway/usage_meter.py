@@ -28,10 +28,10 @@ from flotilla.usage.record import STATUS_CANCELLED, STATUS_ERROR, STATUS_OK, STA
 
 class UsageLedgerTap:
     __slots__ = ("_ledger", "_request", "_model", "_key_id", "_started_at", "_num_output_tokens", "_status",
-                 "_error_code", "_last", "_next_checkpoint", "_settled", "_streamed")
+                 "_error_code", "_last", "_next_checkpoint", "_settled", "_streamed", "_batch_item")
 
     def __init__(self, ledger: UsageLedger, request: NewRequest, requested_model: str, key_id: str,
-                 streamed: bool = False):
+                 streamed: bool = False, batch_item: tuple[str, int] | None = None):
         self._ledger = ledger
         self._streamed = streamed  # else nothing reaches the caller before the end: no checkpoint bills output
         self._request = request
@@ -42,6 +42,7 @@ class UsageLedgerTap:
         self._status = STATUS_CANCELLED
         self._error_code = ""
         self._last: Finished | Error | None = None  # the terminal event
+        self._batch_item = batch_item  # (job id, index) of a batch-job item
         self._settled = False
         self._next_checkpoint = time.monotonic() + ledger.checkpoint_interval_s
         ledger.record(self.record(STATUS_OPEN))  # admitted: the request exists in the ledger from here on
@@ -80,10 +81,12 @@ class UsageLedgerTap:
         version = last.model_version if last is not None else ""
         attempts = last.num_attempts if last is not None else int(self._num_output_tokens > 0)
         name = self._model.partition("@")[0]
+        batch_id, batch_item = self._batch_item or ("", -1)
         return UsageRecord(
             request_id=request.request_id, tenant=request.tenant_id, key_id=self._key_id,
             model=f"{name}@{version}" if version else self._model, model_version=version,
             input_tokens=(usage.prompt_tokens if usage is not None else 0) or request.num_prompt_tokens,
             cached_input_tokens=usage.cached_prompt_tokens if usage is not None else 0,
             output_tokens=self._num_output_tokens, status=status or self._status, error_code=self._error_code,
-            attempts=attempts, started_at=self._started_at, finished_at=time.time())
+            attempts=attempts, started_at=self._started_at, finished_at=time.time(), batch_id=batch_id,
+            batch_item=batch_item)

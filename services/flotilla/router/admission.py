@@ -159,7 +159,7 @@ class Admission:
         # A tenant with nothing in flight starts at once (within the extra slots) even past its own class's
         # queue, never past a class served before its own.
         if not (queues.has_waiters_before(ticket.priority) if idle else queues.has_waiters_ahead(ticket.priority)):
-            placement = self._try_place(requested, num_prompt_tokens, ticket.tenant, avoid)
+            placement = self._try_place(requested, num_prompt_tokens, ticket.tenant, avoid, ticket.priority)
             if placement is not None:
                 return placement
         self._check_wait_budget(resolution.name, ticket)
@@ -207,10 +207,10 @@ class Admission:
         self._observe_throughput()
         for queues in self._queues.values():
             for priority in CLASS_ORDER:
-                if not self._dispatch_class(queues.classes[priority]):
+                if not self._dispatch_class(queues.classes[priority], priority):
                     break  # the head found no room: nothing of a later class may jump ahead of it
 
-    def _dispatch_class(self, queue: FairQueue[_Waiter]) -> bool:
+    def _dispatch_class(self, queue: FairQueue[_Waiter], priority: int) -> bool:
         """True when the class queue was emptied."""
         while (waiter := queue.peek()) is not None:
             if waiter.future.done():
@@ -222,7 +222,8 @@ class Admission:
                                                         "the request's deadline passed while it was queued"))
                 continue
             try:
-                placement = self._try_place(waiter.requested, waiter.num_prompt_tokens, waiter.tenant, waiter.avoid)
+                placement = self._try_place(waiter.requested, waiter.num_prompt_tokens, waiter.tenant, waiter.avoid,
+                                            priority)
             except RouterError as exc:  # its version went away while it waited
                 queue.pop()
                 waiter.future.set_exception(exc)
@@ -237,7 +238,8 @@ class Admission:
         return self._registry.num_assigned_to_tenant(name, tenant) == 0
 
     def _try_place(self, requested: str, num_prompt_tokens: int, tenant: str = "",
-                   avoid: frozenset[str] = frozenset()) -> Placement | None:
+                   avoid: frozenset[str] = frozenset(),
+                   priority: int = pb.PRIORITY_CLASS_INTERACTIVE) -> Placement | None:
         resolution = self.resolve(requested)
         if resolution.version is None:
             return None
@@ -246,7 +248,8 @@ class Admission:
         # not UNAVAILABLE, and its heartbeats are not overdue yet): retry elsewhere while there is an elsewhere.
         workers = {e.worker_id: e for e in ([e for e in healthy if e.worker_id not in avoid] or healthy)}
         loads = [self._registry.load_of(e) for e in workers.values()]
-        chosen = choose_worker(loads, num_prompt_tokens, self._limits, self._is_idle(resolution.name, tenant))
+        chosen = choose_worker(loads, num_prompt_tokens, self._limits, self._is_idle(resolution.name, tenant),
+                               batch=priority == pb.PRIORITY_CLASS_BATCH)
         if chosen is None:
             return None
         self._registry.record_placement(workers[chosen], num_prompt_tokens)

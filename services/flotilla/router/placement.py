@@ -29,17 +29,25 @@ class PlacementLimits:
     # model: a quiet tenant's request starts at once instead of waiting for a flooding tenant's to finish
     # (new flows first, as in FQ-CoDel). Bounded per worker, so many quiet tenants cannot overfill it.
     idle_tenant_extra_slots: int = 0
+    # A batch-class request goes only to a worker with at least this share of its KV blocks free: the batch tier
+    # fills spare memory and leaves a margin for interactive arrivals (0: no watermark).
+    batch_min_free_kv_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_queued_tokens_per_worker < 1 or self.max_requests_per_worker < 1:
             raise ValueError("placement limits must be >= 1")
         if self.idle_tenant_extra_slots < 0:
             raise ValueError("idle_tenant_extra_slots must be >= 0")
+        if not 0.0 <= self.batch_min_free_kv_fraction < 1.0:
+            raise ValueError("batch_min_free_kv_fraction must be in [0, 1)")
 
 
-def can_admit(load: WorkerLoad, num_prompt_tokens: int, limits: PlacementLimits, idle_tenant: bool = False) -> bool:
+def can_admit(load: WorkerLoad, num_prompt_tokens: int, limits: PlacementLimits, idle_tenant: bool = False,
+              batch: bool = False) -> bool:
     max_requests = limits.max_requests_per_worker + (limits.idle_tenant_extra_slots if idle_tenant else 0)
     if load.num_requests >= max_requests:
+        return False
+    if batch and load.num_free_blocks < limits.batch_min_free_kv_fraction * load.num_total_blocks:
         return False
     # A worker with nothing queued takes any prompt, however long: otherwise a long prompt would never run.
     if load.num_queued_tokens == 0:
@@ -53,10 +61,11 @@ def headroom_key(load: WorkerLoad) -> tuple[int, int, int, str]:
 
 
 def choose_worker(loads: Iterable[WorkerLoad], num_prompt_tokens: int, limits: PlacementLimits,
-                  idle_tenant: bool = False) -> str | None:
+                  idle_tenant: bool = False, batch: bool = False) -> str | None:
     """The id of the worker with the most headroom among those with room, or None when none has room.
-    `idle_tenant`: the request's tenant has nothing in flight for the model (may use the extra slots)."""
-    candidates = [load for load in loads if can_admit(load, num_prompt_tokens, limits, idle_tenant)]
+    `idle_tenant`: the request's tenant has nothing in flight for the model (may use the extra slots);
+    `batch`: a batch-class request (the free-KV watermark applies)."""
+    candidates = [load for load in loads if can_admit(load, num_prompt_tokens, limits, idle_tenant, batch)]
     if not candidates:
         return None
     return min(candidates, key=headroom_key).worker_id
