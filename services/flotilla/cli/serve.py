@@ -67,7 +67,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     router = subparsers.add_parser("router", help="place requests on workers and relay their streams")
     _add_common(router)
     router.add_argument("--alias", action="append", default=[], metavar="ALIAS=TARGET",
-                        help="alias for a model name or name@version (repeatable)")
+                        help="initial alias for a model name or name@version (repeatable); change aliases at "
+                             "run time with `flotilla models alias`")
+    router.add_argument("--model-routes-file", default=None, metavar="PATH",
+                        help="keep the model registry (aliases, rollouts, current versions) in this JSON file: "
+                             "a restarted router routes as before (default: in memory)")
     router.add_argument("--model", action="append", default=[], metavar="NAME",
                         help="model expected to register: its requests wait instead of MODEL_NOT_FOUND")
     router.add_argument("--heartbeat-timeout-s", type=float, default=1.0)
@@ -186,6 +190,7 @@ def run_router(args: argparse.Namespace) -> int:
         port=args.port,
         port_file=args.port_file,
         aliases=parse_aliases(args.alias),
+        model_routes_file=args.model_routes_file,
         model_names=tuple(args.model),
         heartbeat_timeout_s=args.heartbeat_timeout_s,
         max_queue_depth=args.max_queue_depth,

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.router.fair_queue import FairQueue
+from flotilla.router.model_routes import ModelRoutes
 from flotilla.router.models import ModelNotFoundError, Resolution, resolve_model
 from flotilla.router.placement import PlacementLimits, choose_worker
 from flotilla.router.registry import WorkerEntry, WorkerRegistry
@@ -49,12 +50,14 @@ class Ticket(NamedTuple):
     num_tokens: int = 0  # prompt + max_tokens; 0: the prompt only
     weight: int = 1
     max_queue_wait_s: float = 0.0  # 0: no wait-budget check
+    affinity_key: str = ""  # the conversation, bucketed by a rollout's split (models.py)
 
     @classmethod
     def of(cls, request: pb.GenerateRequest) -> Ticket:
         priority = request.priority if request.priority in CLASS_ORDER else pb.PRIORITY_CLASS_INTERACTIVE
         return cls(priority, request.tenant_id, len(request.prompt_token_ids) + request.sampling.max_tokens,
-                   max(1, request.tenant_weight), request.max_queue_wait_s)
+                   max(1, request.tenant_weight), request.max_queue_wait_s,
+                   request.affinity_key or request.request_id)
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class _Waiter:
     weight: int = 1
     deadline_unix_s: float = 0.0
     avoid: frozenset[str] = frozenset()
+    affinity_key: str = ""
 
 
 @dataclass
@@ -102,7 +106,7 @@ class Admission:
     def __init__(
         self,
         registry: WorkerRegistry,
-        aliases: Mapping[str, str],
+        routes: ModelRoutes | Mapping[str, str],  # the model registry, or just aliases (tests)
         expected_names: Collection[str],
         limits: PlacementLimits,
         max_queue_depth: int,
@@ -110,7 +114,7 @@ class Admission:
         wall_clock: Callable[[], float] = time.time,
     ):
         self._registry = registry
-        self._aliases = dict(aliases)
+        self.routes = routes if isinstance(routes, ModelRoutes) else ModelRoutes(routes)
         self._expected_names = frozenset(expected_names)
         self._limits = limits
         self._max_queue_depth = max_queue_depth
@@ -119,11 +123,16 @@ class Admission:
         self._queues: dict[str, _ModelQueues] = {}
         self.throughput = ThroughputMeter()
 
-    def resolve(self, requested: str) -> Resolution:
+    def resolve(self, requested: str, affinity_key: str = "") -> Resolution:
+        """The version this request goes to now: a rollout's split buckets `affinity_key` (its conversation)."""
         if not requested:
             raise RouterError(pb.ERROR_CODE_INVALID_REQUEST, "model must not be empty", "model")
+        versions = self._registry.model_versions()
+        routes = self.routes
+        routes.observe(versions)
         try:
-            return resolve_model(requested, self._registry.model_versions(), self._aliases, self._expected_names)
+            return resolve_model(requested, versions, routes.aliases, routes.expected_names(self._expected_names),
+                                 routes.routes, affinity_key)
         except ModelNotFoundError as exc:
             raise RouterError(pb.ERROR_CODE_MODEL_NOT_FOUND, str(exc), "model") from None
 
@@ -153,13 +162,13 @@ class Admission:
         """A worker for this request, now or after queueing; raises RouterError. `avoid`: workers a retried
         request was lost on, used only while no other healthy worker serves its model version."""
         ticket = ticket or Ticket(num_tokens=num_prompt_tokens)
-        resolution = self.resolve(requested)
+        resolution = self.resolve(requested, ticket.affinity_key)
         queues = self._queues.setdefault(resolution.name, _ModelQueues())
         idle = self._is_idle(resolution.name, ticket.tenant)
         # A tenant with nothing in flight starts at once (within the extra slots) even past its own class's
         # queue, never past a class served before its own.
         if not (queues.has_waiters_before(ticket.priority) if idle else queues.has_waiters_ahead(ticket.priority)):
-            placement = self._try_place(requested, num_prompt_tokens, ticket.tenant, avoid)
+            placement = self._try_place(requested, num_prompt_tokens, ticket.tenant, avoid, ticket.affinity_key)
             if placement is not None:
                 return placement
         self._check_wait_budget(resolution.name, ticket)
@@ -168,7 +177,8 @@ class Admission:
             raise RouterError(pb.ERROR_CODE_OVERLOADED, f"queue for {resolution.name!r} is full",
                               retry_after_s=self._retry_after(resolution.name, ticket))
         waiter = _Waiter(requested, num_prompt_tokens, asyncio.get_running_loop().create_future(), ticket.tenant,
-                         max(ticket.num_tokens, num_prompt_tokens, 1), ticket.weight, deadline_unix_s, avoid)
+                         max(ticket.num_tokens, num_prompt_tokens, 1), ticket.weight, deadline_unix_s, avoid,
+                         ticket.affinity_key)
         queue.push(waiter)
         try:
             await asyncio.wait([waiter.future], timeout=self._wait_budget(deadline_unix_s))
@@ -222,7 +232,8 @@ class Admission:
                                                         "the request's deadline passed while it was queued"))
                 continue
             try:
-                placement = self._try_place(waiter.requested, waiter.num_prompt_tokens, waiter.tenant, waiter.avoid)
+                placement = self._try_place(waiter.requested, waiter.num_prompt_tokens, waiter.tenant, waiter.avoid,
+                                            waiter.affinity_key)
             except RouterError as exc:  # its version went away while it waited
                 queue.pop()
                 waiter.future.set_exception(exc)
@@ -237,8 +248,9 @@ class Admission:
         return self._registry.num_assigned_to_tenant(name, tenant) == 0
 
     def _try_place(self, requested: str, num_prompt_tokens: int, tenant: str = "",
-                   avoid: frozenset[str] = frozenset()) -> Placement | None:
-        resolution = self.resolve(requested)
+                   avoid: frozenset[str] = frozenset(), affinity_key: str = "") -> Placement | None:
+        # Resolved again at each try: a queued request follows a route change (a rollback) made while it waited.
+        resolution = self.resolve(requested, affinity_key)
         if resolution.version is None:
             return None
         healthy = self._registry.healthy_workers(resolution.name, resolution.version)

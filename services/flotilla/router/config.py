@@ -14,7 +14,9 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port, announced on stdout and in port_file
     port_file: str | None = None
-    aliases: Mapping[str, str] = field(default_factory=dict)  # alias -> name or name@version
+    aliases: Mapping[str, str] = field(default_factory=dict)  # alias -> name or name@version (initial ones)
+    # Where the model registry (aliases, routes, rollouts) is kept across restarts; None: in memory only.
+    model_routes_file: str | None = None
     model_names: tuple[str, ...] = ()  # models expected before any worker registers: their requests wait
     heartbeat_interval_s: float = 0.25
     heartbeat_timeout_s: float = 1.0  # missing heartbeats this long: unhealthy, no new work

@@ -10,6 +10,7 @@ from flotilla.api.router.v1 import router_pb2_grpc
 from flotilla.router.admission import Admission
 from flotilla.router.batch_dispatcher import BatchDispatcher
 from flotilla.router.config import RouterConfig
+from flotilla.router.model_routes import ModelRoutes
 from flotilla.router.models import expected_names
 from flotilla.router.registry import WorkerRegistry
 from flotilla.observability.exposition import serve_metrics
@@ -28,9 +29,12 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         stop = asyncio.Event()
         stop_on_signals(stop)
     registry = WorkerRegistry(config.heartbeat_timeout_s, config.evict_after_s)
+    metrics = RouterMetrics()
+    routes = ModelRoutes(config.aliases, config.model_routes_file)
+    routes.add_listener(lambda change, name, route: metrics.route_changed(change.action, name, route))
     admission = Admission(
         registry,
-        config.aliases,
+        routes,
         expected_names(config.model_names, config.aliases),
         config.limits,
         config.max_queue_depth,
@@ -38,9 +42,8 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     )
     batches = BatchDispatcher(registry, config.batch, frozenset(config.model_names))
     server = aio_server()
-    metrics = RouterMetrics()
     router_pb2_grpc.add_RouterServiceServicer_to_server(
-        RouterService(registry, admission, dict(config.aliases), config.heartbeat_interval_s, metrics, batches),
+        RouterService(registry, admission, config.heartbeat_interval_s, metrics, batches),
         server,
     )
     port = bind(server, config.host, config.port)
