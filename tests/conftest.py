@@ -39,6 +39,7 @@ UNIT_PATHS = (
     "autoscaler",
     "autoscaling",
     "engine",
+    "gateway/test_conversation_key.py",
     "gateway/test_error_mapping.py",
     "gateway/test_field_support.py",
     "gateway/test_sse.py",
