@@ -72,6 +72,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     router.add_argument("--model-routes-file", default=None, metavar="PATH",
                         help="keep the model registry (aliases, rollouts, current versions) in this JSON file: "
                              "a restarted router routes as before (default: in memory)")
+    rollback = router.add_argument_group("automatic rollback of a rollout (off unless a bound is given)")
+    rollback.add_argument("--auto-rollback-error-rate", type=float, default=None, metavar="FRACTION",
+                          help="roll back when the candidate's error rate over the window exceeds this (0..1)")
+    rollback.add_argument("--auto-rollback-ttft-p95-s", type=float, default=None,
+                          help="roll back when the candidate's TTFT p95 over the window exceeds this")
+    rollback.add_argument("--auto-rollback-window-s", type=float, default=120.0)
+    rollback.add_argument("--auto-rollback-min-requests", type=int, default=20,
+                          help="requests the candidate needs in the window before it is judged")
     router.add_argument("--model", action="append", default=[], metavar="NAME",
                         help="model expected to register: its requests wait instead of MODEL_NOT_FOUND")
     router.add_argument("--heartbeat-timeout-s", type=float, default=1.0)
@@ -179,6 +187,7 @@ def run_fixed_batch_worker(args: argparse.Namespace) -> int:
 
 
 def run_router(args: argparse.Namespace) -> int:
+    from flotilla.router.auto_rollback import AutoRollbackRule
     from flotilla.router.batch_dispatcher import BatchSettings
     from flotilla.router.config import RouterConfig
     from flotilla.router.placement import PlacementLimits
@@ -191,6 +200,8 @@ def run_router(args: argparse.Namespace) -> int:
         port_file=args.port_file,
         aliases=parse_aliases(args.alias),
         model_routes_file=args.model_routes_file,
+        auto_rollback=AutoRollbackRule(args.auto_rollback_error_rate, args.auto_rollback_ttft_p95_s,
+                                       args.auto_rollback_window_s, args.auto_rollback_min_requests),
         model_names=tuple(args.model),
         heartbeat_timeout_s=args.heartbeat_timeout_s,
         max_queue_depth=args.max_queue_depth,

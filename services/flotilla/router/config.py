@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from flotilla.router.auto_rollback import AutoRollbackRule
 from flotilla.router.batch_dispatcher import BatchSettings
 from flotilla.router.placement import PlacementLimits
 
@@ -17,6 +18,7 @@ class RouterConfig:
     aliases: Mapping[str, str] = field(default_factory=dict)  # alias -> name or name@version (initial ones)
     # Where the model registry (aliases, routes, rollouts) is kept across restarts; None: in memory only.
     model_routes_file: str | None = None
+    auto_rollback: AutoRollbackRule = field(default_factory=AutoRollbackRule)  # off unless a bound is set
     model_names: tuple[str, ...] = ()  # models expected before any worker registers: their requests wait
     heartbeat_interval_s: float = 0.25
     heartbeat_timeout_s: float = 1.0  # missing heartbeats this long: unhealthy, no new work

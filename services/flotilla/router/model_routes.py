@@ -147,13 +147,13 @@ class ModelRoutes:
         new = Route(current=route.candidate, previous=route.current, managed=True)
         return name, self._commit("promote", name, new, f"current = {route.candidate} (was {route.current})")
 
-    def rollback(self, requested: str, versions: Sequence[ModelVersionRef]) -> tuple[str, Change]:
+    def rollback(self, requested: str, versions: Sequence[ModelVersionRef], reason: str = "") -> tuple[str, Change]:
         name = self.model_name(requested)
         route = self._route(name)
         if route.candidate:
             new = replace(route, candidate="", candidate_percent=0.0, managed=True)
             detail = f"rollout of {route.candidate} ended at {route.candidate_percent:g}%: all to {route.current}"
-            return name, self._commit("rollback", name, new, detail)
+            return name, self._commit("rollback", name, new, f"{detail} ({reason})" if reason else detail)
         if not route.previous:
             raise RouteChangeError("precondition", f"{name} has no rollout and no previous version to roll back to")
         if not any(ref.name == name and ref.version == route.previous for ref in versions):

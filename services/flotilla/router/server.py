@@ -8,6 +8,7 @@ import logging
 
 from flotilla.api.router.v1 import router_pb2_grpc
 from flotilla.router.admission import Admission
+from flotilla.router.auto_rollback import AutoRollbackRule, check_rollouts
 from flotilla.router.batch_dispatcher import BatchDispatcher
 from flotilla.router.config import RouterConfig
 from flotilla.router.model_routes import ModelRoutes
@@ -50,6 +51,9 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     await server.start()
     sweeper = asyncio.create_task(_sweep_forever(registry, config.heartbeat_timeout_s / 4))
     dispatcher = asyncio.create_task(batches.run_forever())
+    tasks = [sweeper, dispatcher]
+    if config.auto_rollback.enabled:
+        tasks.append(asyncio.create_task(_auto_rollback_forever(config.auto_rollback, admission, metrics, registry)))
     metrics_server = None
     if config.metrics_port is not None:
         metrics_server = serve_metrics(metrics.registry, config.host, config.metrics_port, config.metrics_port_file)
@@ -60,7 +64,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         logger.info("router stopping")
         if metrics_server is not None:
             metrics_server.stop()
-        for task in (sweeper, dispatcher):
+        for task in tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -75,3 +79,14 @@ async def _sweep_forever(registry: WorkerRegistry, interval_s: float) -> None:
             await registry.sweep()
         except Exception:
             logger.exception("registry sweep failed")
+
+
+async def _auto_rollback_forever(rule: AutoRollbackRule, admission: Admission, metrics: RouterMetrics,
+                                 registry: WorkerRegistry, interval_s: float = 1.0) -> None:
+    while True:
+        await asyncio.sleep(interval_s)  # a periodic check, not a wait for something
+        try:
+            if check_rollouts(rule, admission.routes, metrics.versions, registry.model_versions):
+                admission.dispatch()
+        except Exception:
+            logger.exception("automatic rollback check failed")
