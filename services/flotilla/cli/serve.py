@@ -85,6 +85,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     router.add_argument("--heartbeat-timeout-s", type=float, default=1.0)
     router.add_argument("--max-queue-depth", type=int, default=1024)
     router.add_argument("--max-queue-wait-s", type=float, default=30.0)
+    router.add_argument("--cold-start-wait-s", type=float, default=None,
+                        help="longest a request for a model with no active replica waits for one (its pool "
+                             "scaling from zero), then 503 'model is starting' with Retry-After (default: "
+                             "--max-queue-wait-s)")
     router.add_argument("--max-queued-tokens-per-worker", type=int, default=32_768)
     router.add_argument("--max-requests-per-worker", type=int, default=64)
     router.add_argument("--idle-tenant-extra-slots", type=int, default=1,
@@ -206,6 +210,7 @@ def run_router(args: argparse.Namespace) -> int:
         heartbeat_timeout_s=args.heartbeat_timeout_s,
         max_queue_depth=args.max_queue_depth,
         max_queue_wait_s=args.max_queue_wait_s,
+        cold_start_wait_s=args.cold_start_wait_s,
         limits=PlacementLimits(args.max_queued_tokens_per_worker, args.max_requests_per_worker,
                                args.idle_tenant_extra_slots),
         batch=BatchSettings(args.batch_latency_budget_ms, args.batch_max_wait_ms, args.batch_max_attempts,

@@ -8,6 +8,9 @@ queued ahead in its class and above / measured fleet throughput) is checked agai
 beyond it, OVERLOADED at once with a retry_after_s from the drain rate. A request waits up to its deadline
 or `max_queue_wait_s`, then fails UNAVAILABLE (no healthy worker serves its model) or OVERLOADED (all
 busy); a full class queue (bounded depth) answers OVERLOADED at once.
+
+Cold start: a request for a known model with no active replica (its pool scaling from zero) waits up to its
+deadline or `cold_start_wait_s`, then fails MODEL_STARTING ("model is starting", retry after a few seconds).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from flotilla.router.models import ModelNotFoundError, Resolution, resolve_model
 from flotilla.router.placement import PlacementLimits, choose_worker
 from flotilla.router.registry import WorkerEntry, WorkerRegistry
 from flotilla.router.wait_estimate import ThroughputMeter, estimated_wait_s, overload_retry_after_s
+
+COLD_START_RETRY_AFTER_S = 5.0  # what a MODEL_STARTING answer tells the caller to wait
 
 # Served in this order: a batch request is placed only while no interactive one waits for the same model.
 CLASS_ORDER = (pb.PRIORITY_CLASS_INTERACTIVE, pb.PRIORITY_CLASS_BATCH)
@@ -112,6 +117,7 @@ class Admission:
         max_queue_depth: int,
         max_queue_wait_s: float,
         wall_clock: Callable[[], float] = time.time,
+        cold_start_wait_s: float | None = None,  # None: max_queue_wait_s
     ):
         self._registry = registry
         self.routes = routes if isinstance(routes, ModelRoutes) else ModelRoutes(routes)
@@ -119,6 +125,7 @@ class Admission:
         self._limits = limits
         self._max_queue_depth = max_queue_depth
         self._max_queue_wait_s = max_queue_wait_s
+        self._cold_start_wait_s = max_queue_wait_s if cold_start_wait_s is None else cold_start_wait_s
         self._wall_clock = wall_clock
         self._queues: dict[str, _ModelQueues] = {}
         self.throughput = ThroughputMeter()
@@ -180,14 +187,15 @@ class Admission:
                          max(ticket.num_tokens, num_prompt_tokens, 1), ticket.weight, deadline_unix_s, avoid,
                          ticket.affinity_key)
         queue.push(waiter)
+        cold = not self._registry.has_active_replica(resolution.name)
         try:
-            await asyncio.wait([waiter.future], timeout=self._wait_budget(deadline_unix_s))
+            await asyncio.wait([waiter.future], timeout=self._wait_budget(deadline_unix_s, cold))
         finally:
             if not waiter.future.done():
                 waiter.future.cancel()
             queue.discard(waiter)
         if waiter.future.cancelled():
-            raise self._timeout_error(resolution.name, deadline_unix_s)
+            raise self._timeout_error(resolution.name, deadline_unix_s, requested)
         return waiter.future.result()
 
     def _check_wait_budget(self, name: str, ticket: Ticket) -> None:
@@ -215,12 +223,12 @@ class Admission:
     def dispatch(self) -> None:
         """Place queue heads (interactive first, fair between tenants) while workers have room."""
         self._observe_throughput()
-        for queues in self._queues.values():
+        for name, queues in self._queues.items():
             for priority in CLASS_ORDER:
-                if not self._dispatch_class(queues.classes[priority]):
+                if not self._dispatch_class(name, queues.classes[priority]):
                     break  # the head found no room: nothing of a later class may jump ahead of it
 
-    def _dispatch_class(self, queue: FairQueue[_Waiter]) -> bool:
+    def _dispatch_class(self, name: str, queue: FairQueue[_Waiter]) -> bool:
         """True when the class queue was emptied."""
         while (waiter := queue.peek()) is not None:
             if waiter.future.done():
@@ -228,8 +236,9 @@ class Admission:
                 continue
             if 0 < waiter.deadline_unix_s <= self._wall_clock():
                 queue.pop()
-                waiter.future.set_exception(RouterError(pb.ERROR_CODE_DEADLINE_EXCEEDED,
-                                                        "the request's deadline passed while it was queued"))
+                waiter.future.set_exception(
+                    RouterError(pb.ERROR_CODE_DEADLINE_EXCEEDED, "the request's deadline passed while it was queued")
+                    if self._registry.has_active_replica(name) else _model_starting(waiter.requested))
                 continue
             try:
                 placement = self._try_place(waiter.requested, waiter.num_prompt_tokens, waiter.tenant, waiter.avoid,
@@ -266,15 +275,23 @@ class Admission:
         self._registry.assign(workers[chosen], tenant)
         return Placement(workers[chosen], resolution)
 
-    def _wait_budget(self, deadline_unix_s: float) -> float:
-        budget = self._max_queue_wait_s
+    def _wait_budget(self, deadline_unix_s: float, cold: bool = False) -> float:
+        budget = self._cold_start_wait_s if cold else self._max_queue_wait_s
         if deadline_unix_s > 0:
             budget = min(budget, deadline_unix_s - self._wall_clock())
         return max(0.0, budget) if math.isfinite(budget) else self._max_queue_wait_s
 
-    def _timeout_error(self, name: str, deadline_unix_s: float = 0.0) -> RouterError:
+    def _timeout_error(self, name: str, deadline_unix_s: float = 0.0, requested: str = "") -> RouterError:
+        if not self._registry.has_active_replica(name):  # says more than a missed deadline
+            return _model_starting(requested or name)
         if not self._registry.has_healthy_worker(name):  # says more than a missed deadline: retry later
             return RouterError(pb.ERROR_CODE_UNAVAILABLE, f"no healthy worker serves {name!r} now")
         if 0 < deadline_unix_s <= self._wall_clock():
             return RouterError(pb.ERROR_CODE_DEADLINE_EXCEEDED, "the request's deadline passed while it was queued")
         return RouterError(pb.ERROR_CODE_OVERLOADED, f"every worker serving {name!r} is busy")
+
+
+def _model_starting(requested: str) -> RouterError:
+    """A cold model's answer: it names only what the caller asked for (the gateway passes it on as is)."""
+    return RouterError(pb.ERROR_CODE_MODEL_STARTING, f"model {requested!r} is starting: no replica is serving it "
+                       f"yet; retry in {COLD_START_RETRY_AFTER_S:g} s", retry_after_s=COLD_START_RETRY_AFTER_S)

@@ -25,6 +25,7 @@ class RouterConfig:
     evict_after_s: float = 60.0  # silent this long: forgotten
     max_queue_depth: int = 1024  # per model; beyond: OVERLOADED at once
     max_queue_wait_s: float = 30.0  # a queued request gives up after this (or its deadline)
+    cold_start_wait_s: float | None = None  # the same for a model with no active replica; None: max_queue_wait_s
     limits: PlacementLimits = field(default_factory=PlacementLimits)
     batch: BatchSettings = field(default_factory=BatchSettings)  # fixed-batch models (batch_dispatcher.py)
     shutdown_grace_s: float = 5.0

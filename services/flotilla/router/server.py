@@ -40,6 +40,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         config.limits,
         config.max_queue_depth,
         config.max_queue_wait_s,
+        cold_start_wait_s=config.cold_start_wait_s,
     )
     batches = BatchDispatcher(registry, config.batch, frozenset(config.model_names))
     server = aio_server()
