@@ -108,6 +108,9 @@ async def test_new_version_waits_for_a_rollout_and_rollback_under_64_streams_mov
         began = time.monotonic()
         answer = await stub.RollbackModel(rpb.RollbackModelRequest(model=MODEL), timeout=5)
         applied_s = time.monotonic() - began
+        with capsys.disabled():
+            print(f"\nrollback under {NUM_STREAMS} streams applied in {1000 * applied_s:.1f} ms ({len(on_new)} on "
+                  f"the candidate)")
         assert answer.route.current_version == old and not answer.route.candidate_version
         # Every request sent after the rollback, even of the conversations the candidate had, runs on the old
         # version, while the candidate's streams are still running.
