@@ -49,6 +49,7 @@ UNIT_PATHS = (
     "models",
     "observability",
     "operator/test_manifests.py",
+    "operator/test_model_route_plan.py",
     "operator/test_pod_policy.py",
     "operator/test_ratio.py",
     "router",
