@@ -74,6 +74,11 @@ class ModelRegistry:
     def models(self) -> list[ServedModel]:
         return list(self._models)
 
+    @property
+    def has_known_models(self) -> bool:
+        """Listed now or once before (a model scaled to zero stays known)."""
+        return bool(self._by_name)
+
     async def refresh(self) -> list[ServedModel]:
         """Re-read the model list; raises GatewayError(UNAVAILABLE) when the router cannot be reached."""
         async with self._lock:
