@@ -119,6 +119,16 @@ def print_status(answer) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    if answer.HasField("golden"):
+        g = answer.golden
+        if not g.done:
+            print(f"golden check {short(g.candidate_version)} vs {short(g.baseline_version)}: running")
+        elif g.error:
+            print(f"golden check {short(g.candidate_version)} vs {short(g.baseline_version)}: failed: {g.error}")
+        else:
+            print(f"golden check {short(g.candidate_version)} vs {short(g.baseline_version)}: {g.num_identical} of "
+                  f"{g.num_prompts} greedy answers identical, common prefix {g.mean_common_prefix_tokens:.1f} of "
+                  f"{g.num_tokens} tokens")
     for change in answer.recent_changes[-5:]:
         at = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(change.at_unix_s))
         print(f"{at}Z {change.action}: {change.detail}")

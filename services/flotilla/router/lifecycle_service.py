@@ -4,12 +4,14 @@ a refused change is a gRPC status (INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDIT
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
 
 from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.router.admission import Admission
+from flotilla.router.golden_check import NUM_TOKENS, GoldenResult, compare
 from flotilla.router.metrics import RouterMetrics
 from flotilla.router.model_routes import Change, ModelRoutes, RouteChangeError
 from flotilla.router.models import ModelVersionRef
@@ -27,6 +29,12 @@ class ModelLifecycleRpcs:
     _registry: WorkerRegistry
     _admission: Admission
     metrics: RouterMetrics
+    _golden: dict[str, GoldenResult]  # model name -> its last rollout's golden check
+    _golden_tasks: set[asyncio.Task]
+
+    def _init_lifecycle(self) -> None:
+        self._golden = {}
+        self._golden_tasks = set()  # running checks (a reference, so they are not collected mid-way)
 
     @property
     def _routes(self) -> ModelRoutes:
@@ -63,7 +71,12 @@ class ModelLifecycleRpcs:
             self._check_same_tokenizer(name, request.version, versions)
             return self._routes.set_rollout(request.model, request.version, request.weight_percent, versions)
 
-        return await self._route_change(context, start)
+        answer = await self._route_change(context, start)
+        route = answer.route
+        golden = self._golden.get(route.name)
+        if golden is None or golden.candidate != route.candidate_version:  # a new rollout, not a weight change
+            self._start_golden_check(route.name, route.current_version, route.candidate_version)
+        return answer
 
     async def PromoteModel(self, request: rpb.PromoteModelRequest, context: grpc.aio.ServicerContext
                            ) -> rpb.ModelRouteResponse:
@@ -95,7 +108,22 @@ class ModelLifecycleRpcs:
                 tpot_p50_s=summary.tpot_s[0], tpot_p95_s=summary.tpot_s[1], tpot_p99_s=summary.tpot_s[2],
                 mean_output_tokens=summary.mean_output_tokens, num_inflight=stats.num_inflight(name, version)))
         return rpb.GetModelStatusResponse(route=self._route_proto(name), versions=versions, window_s=window_s,
-                                          recent_changes=[_change_proto(c) for c in self._routes.history(name)])
+                                          recent_changes=[_change_proto(c) for c in self._routes.history(name)],
+                                          golden=_golden_proto(self._golden.get(name)))
+
+    # ---- golden check --------------------------------------------------------------------------------
+    def _start_golden_check(self, name: str, baseline: str, candidate: str) -> None:
+        results = self._golden
+        results[name] = GoldenResult(baseline, candidate)  # running
+
+        async def run() -> None:
+            result = await compare(self._registry, name, baseline, candidate)
+            if results.get(name, result).candidate == candidate:
+                results[name] = result
+
+        task = asyncio.create_task(run())
+        self._golden_tasks.add(task)
+        task.add_done_callback(self._golden_tasks.discard)
 
     # ---- helpers -------------------------------------------------------------------------------------
     async def _route_change(self, context: grpc.aio.ServicerContext, apply) -> rpb.ModelRouteResponse:
@@ -153,6 +181,15 @@ def _weight(route, version: str) -> float:
     if version == route.current:
         return 100.0 - (route.candidate_percent if route.candidate else 0.0)
     return 0.0
+
+
+def _golden_proto(result: GoldenResult | None) -> rpb.GoldenCheck | None:
+    if result is None:
+        return None
+    return rpb.GoldenCheck(baseline_version=result.baseline, candidate_version=result.candidate,
+                           num_prompts=result.num_prompts, num_identical=result.num_identical,
+                           mean_common_prefix_tokens=result.mean_common_prefix, num_tokens=NUM_TOKENS,
+                           error=result.error, done=result.done)
 
 
 def _change_proto(change: Change) -> rpb.RouteChange:

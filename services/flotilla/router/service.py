@@ -52,6 +52,7 @@ class RouterService(ModelLifecycleRpcs, router_pb2_grpc.RouterServiceServicer):
         self.metrics = metrics or RouterMetrics()
         self._disagg = DisaggPlanner(registry, getattr(admission, "_limits", None))
         self.batches = batches  # fixed-batch models (batch_dispatcher.py); None: BatchGenerateSession refused
+        self._init_lifecycle()
 
     # ---- fixed-batch models ------------------------------------------------------------------------
     async def BatchGenerateSession(self, calls, context: grpc.aio.ServicerContext) -> None:

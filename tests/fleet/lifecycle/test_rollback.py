@@ -133,9 +133,13 @@ async def test_new_version_waits_for_a_rollout_and_rollback_under_64_streams_mov
     assert stats[old].error_rate == 0 and stats[old].ttft_p50_s > 0 and stats[new].tpot_p95_s > 0
     assert stats[new].mean_output_tokens == LONG.max_tokens
     assert [c.action for c in status.recent_changes] == ["adopt", "rollout", "rollback"]
+    # The golden check ran when the rollout started: two random checkpoints answer the fixed prompts differently.
+    golden = status.golden
+    assert golden.done and not golden.error and (golden.baseline_version, golden.candidate_version) == (old, new)
+    assert golden.num_prompts == 3 and golden.num_identical < 3 and golden.mean_common_prefix_tokens < golden.num_tokens
 
     assert flotilla_main(["models", "--router", address, "status", MODEL]) == 0
     printed = capsys.readouterr().out
-    assert old[:12] in printed and "rollback: rollout of" in printed
+    assert old[:12] in printed and "rollback: rollout of" in printed and "greedy answers identical" in printed
     assert flotilla_main(["models", "--router", address, "promote", MODEL]) == 1  # nothing to promote
     assert "FAILED_PRECONDITION" in capsys.readouterr().err
