@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 EXIT_REFUSED = 1
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     models = subparsers.add_parser("models", help="model versions, aliases and rollouts in a running router")
-    models.add_argument("--router", default="127.0.0.1:50051", help="router host:port (default %(default)s)")
+    models.add_argument("--router", default=None, help="router host:port (default: $FLOTILLA_ROUTER_ADDRESS, else "
+                        "the router of `flotilla up` in --state-dir)")
+    models.add_argument("--state-dir", default=os.environ.get("FLOTILLA_STATE_DIR", ".flotilla"),
+                        help="where `flotilla up` wrote its port files (default %(default)s)")
     models.add_argument("--timeout-s", type=float, default=5.0)
     models.add_argument("--json", action="store_true", help="print the router's answer as JSON")
     commands = models.add_subparsers(dest="models_command", required=True)
@@ -45,10 +50,14 @@ def run_models(args: argparse.Namespace) -> int:
     from flotilla.api.router.v1 import router_pb2_grpc
 
     command = args.models_command
+    address = router_address(args)
+    if address is None:
+        print("flotilla models: no router: pass --router HOST:PORT (or run it next to `flotilla up`)", file=sys.stderr)
+        return 2
     if command == "alias" and not args.delete and not args.target:
         print("flotilla models alias: give a TARGET or --delete", file=sys.stderr)
         return 2
-    with grpc.insecure_channel(args.router) as channel:
+    with grpc.insecure_channel(address) as channel:
         stub = router_pb2_grpc.RouterServiceStub(channel)
         calls = {
             "list": lambda: stub.ListModelRoutes(rpb.ListModelRoutesRequest(), timeout=args.timeout_s),
@@ -80,6 +89,15 @@ def run_models(args: argparse.Namespace) -> int:
         if answer.HasField("route"):
             print_route(answer.route)
     return 0
+
+
+def router_address(args: argparse.Namespace) -> str | None:
+    if args.router or os.environ.get("FLOTILLA_ROUTER_ADDRESS"):
+        return args.router or os.environ["FLOTILLA_ROUTER_ADDRESS"]
+    from flotilla.rpc.options import read_port_file
+
+    port = read_port_file(Path(args.state_dir) / "ports" / "router.port")
+    return f"127.0.0.1:{port}" if port is not None else None
 
 
 def short(version: str) -> str:

@@ -191,7 +191,6 @@ def run_fixed_batch_worker(args: argparse.Namespace) -> int:
 
 
 def run_router(args: argparse.Namespace) -> int:
-    from flotilla.router.auto_rollback import AutoRollbackRule
     from flotilla.router.batch_dispatcher import BatchSettings
     from flotilla.router.config import RouterConfig
     from flotilla.router.placement import PlacementLimits
@@ -204,8 +203,7 @@ def run_router(args: argparse.Namespace) -> int:
         port_file=args.port_file,
         aliases=parse_aliases(args.alias),
         model_routes_file=args.model_routes_file,
-        auto_rollback=AutoRollbackRule(args.auto_rollback_error_rate, args.auto_rollback_ttft_p95_s,
-                                       args.auto_rollback_window_s, args.auto_rollback_min_requests),
+        auto_rollback=_auto_rollback_rule(args),
         model_names=tuple(args.model),
         heartbeat_timeout_s=args.heartbeat_timeout_s,
         max_queue_depth=args.max_queue_depth,
@@ -223,6 +221,16 @@ def run_router(args: argparse.Namespace) -> int:
     setup_observability("flotilla-router")
     run_service(serve(config))
     return 0
+
+
+def _auto_rollback_rule(args: argparse.Namespace):
+    from flotilla.router.auto_rollback import AutoRollbackRule
+
+    try:
+        return AutoRollbackRule(args.auto_rollback_error_rate, args.auto_rollback_ttft_p95_s,
+                                args.auto_rollback_window_s, args.auto_rollback_min_requests)
+    except ValueError as err:
+        raise SystemExit(f"flotilla router: {err}") from None
 
 
 def parse_aliases(items: list[str]) -> dict[str, str]:
