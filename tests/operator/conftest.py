@@ -18,6 +18,7 @@ from tests.support.fleet import start_service
 
 MODEL = "tiny"
 POOL_RESOURCE = "flotilla.dev/v1alpha1/flotillapools"
+ROUTE_RESOURCE = "flotilla.dev/v1alpha1/flotillamodelroutes"  # the operator watches it too
 
 
 class FakeWorkers:
@@ -89,6 +90,7 @@ def kube(kmock: kmock.KubernetesEmulator) -> kmock.KubernetesEmulator:
     kmock.resources["v1/services"] = kmock_info("Service")
     kmock.resources["apps/v1/deployments"] = kmock_info("Deployment", subresources={"status", "scale"})
     kmock.resources[POOL_RESOURCE] = kmock_info("FlotillaPool", subresources={"status"})
+    kmock.resources[ROUTE_RESOURCE] = kmock_info("FlotillaModelRoute", subresources={"status"})
     kmock.objects["v1/namespaces", None, "ns1"] = {"metadata": {"name": "ns1"}}
     return kmock
 

@@ -14,7 +14,7 @@ from flotilla.operator.config import OperatorConfig
 from flotilla.operator.handlers import register_handlers
 
 from tests.support.waiting import async_wait_until
-from .conftest import MODEL, kmock_info
+from .conftest import MODEL
 from .kopf_run import start_operator
 
 ROUTES = "/apis/flotilla.dev/v1alpha1/namespaces/ns1/flotillamodelroutes"
@@ -36,8 +36,6 @@ def status(kube, *keys):
 
 
 async def test_model_route_rolls_out_grows_and_promotes(kube, router, workers):
-    kube.resources["flotilla.dev/v1alpha1/flotillamodelroutes"] = kmock_info("FlotillaModelRoute",
-                                                                              subresources={"status"})
     workers.add("w-v1")  # version v1: the first version, current
     assert router_route(workers)[0].current_version == "v1"
     v2 = rpb.WorkerInfo(worker_id="w-v2", address="127.0.0.1:9", role=pb.WORKER_ROLE_DECODE,
