@@ -16,6 +16,7 @@ from flotilla.gateway.errors import error_from_grpc, error_from_router
     (common.ERROR_CODE_MODEL_NOT_FOUND, 404, "not_found_error"),
     (common.ERROR_CODE_OVERLOADED, 529, "overloaded_error"),
     (common.ERROR_CODE_UNAVAILABLE, 503, "api_error"),
+    (common.ERROR_CODE_MODEL_STARTING, 503, "api_error"),
     (common.ERROR_CODE_DEADLINE_EXCEEDED, 504, "api_error"),
     (common.ERROR_CODE_INTERNAL, 500, "api_error"),
     (common.ERROR_CODE_UNSPECIFIED, 500, "api_error"),
@@ -41,6 +42,13 @@ def test_fleet_faults_name_no_worker_version_or_grpc_status(code, caplog):
                                   common.ERROR_CODE_OVERLOADED, common.ERROR_CODE_DEADLINE_EXCEEDED])
 def test_client_facing_errors_keep_their_message(code):
     assert error_from_router(common.Error(code=code, message="prompt: too long")).message == "prompt: too long"
+
+
+def test_a_cold_start_says_the_model_is_starting_with_a_retry_after():
+    err = error_from_router(common.Error(code=common.ERROR_CODE_MODEL_STARTING, retry_after_s=5.0,
+                                         message="model 'tiny' is starting: no replica is serving it yet; retry in 5 s"))
+    assert err.kind.status == 503 and err.code == "model_starting" and err.retry_after_s == 5.0
+    assert err.message.startswith("model 'tiny' is starting")
 
 
 class _RpcError(grpc.RpcError):

@@ -19,6 +19,7 @@ from tests.support.tls import channel
 
 MODEL = "tiny"
 POOL_RESOURCE = "flotilla.dev/v1alpha1/flotillapools"
+ROUTE_RESOURCE = "flotilla.dev/v1alpha1/flotillamodelroutes"  # the operator watches it too
 
 
 class FakeWorkers:
@@ -29,7 +30,7 @@ class FakeWorkers:
         self._channel = channel(router_address, client_role="worker")
         self.stub = router_pb2_grpc.RouterServiceStub(self._channel)
         self._operator_channel = channel(router_address)
-        self._operator = router_pb2_grpc.RouterServiceStub(self._operator_channel)
+        self.operator = router_pb2_grpc.RouterServiceStub(self._operator_channel)
         self.loads: dict[str, pb.LoadReport] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -50,7 +51,7 @@ class FakeWorkers:
         self.stub.Heartbeat(rpb.HeartbeatRequest(worker_id=worker_id, load=load), timeout=5)
 
     def states(self) -> dict[str, int]:
-        response = self._operator.ListWorkers(rpb.ListWorkersRequest(), timeout=5)
+        response = self.operator.ListWorkers(rpb.ListWorkersRequest(), timeout=5)
         return {w.worker.worker_id: w.state for w in response.workers}
 
     def _beat(self) -> None:
@@ -94,6 +95,7 @@ def kube(kmock: kmock.KubernetesEmulator) -> kmock.KubernetesEmulator:
     kmock.resources["v1/services"] = kmock_info("Service")
     kmock.resources["apps/v1/deployments"] = kmock_info("Deployment", subresources={"status", "scale"})
     kmock.resources[POOL_RESOURCE] = kmock_info("FlotillaPool", subresources={"status"})
+    kmock.resources[ROUTE_RESOURCE] = kmock_info("FlotillaModelRoute", subresources={"status"})
     kmock.objects["v1/namespaces", None, "ns1"] = {"metadata": {"name": "ns1"}}
     return kmock
 

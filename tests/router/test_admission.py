@@ -22,13 +22,14 @@ class Clock:
         return self.now
 
 
-def make(expected=("tiny",), max_requests=4, max_queue_depth=8, max_wait_s=30.0, aliases=None, limits=None):
+def make(expected=("tiny",), max_requests=4, max_queue_depth=8, max_wait_s=30.0, aliases=None, limits=None,
+         cold_wait_s=None):
     clock = Clock()
     # Channels to a closed port: created lazily, never dialled by these tests.
     registry = WorkerRegistry(heartbeat_timeout_s=1.0, clock=clock,
                               channel_factory=lambda address: grpc.aio.insecure_channel(address))
     admission = Admission(registry, aliases or {}, expected, limits or PlacementLimits(32_768, max_requests),
-                          max_queue_depth, max_wait_s)
+                          max_queue_depth, max_wait_s, cold_start_wait_s=cold_wait_s)
     return registry, admission, clock
 
 
@@ -132,11 +133,12 @@ async def test_full_queue_is_overloaded_at_once():
     queued.cancel()
 
 
-async def test_wait_budget_ends_in_unavailable_or_overloaded():
+async def test_wait_budget_ends_in_model_starting_or_overloaded():
     registry, admission, _ = make(max_requests=1, max_wait_s=0.05)
-    with pytest.raises(RouterError) as nobody:
+    with pytest.raises(RouterError) as nobody:  # a known model with no replica yet: cold, "is starting"
         await admission.acquire("tiny", 5)
-    assert nobody.value.code == pb.ERROR_CODE_UNAVAILABLE
+    assert nobody.value.code == pb.ERROR_CODE_MODEL_STARTING and nobody.value.retry_after_s > 0
+    assert "'tiny' is starting" in nobody.value.message
     register(registry, "w1", running=1)
     with pytest.raises(RouterError) as busy:
         await admission.acquire("tiny", 5)
@@ -176,3 +178,17 @@ async def test_a_batch_request_waits_for_free_kv_above_the_watermark():
     report(registry, "w1", free=48)
     admission.dispatch()
     assert (await batch).worker.worker_id == "w1"
+
+
+async def test_cold_start_has_its_own_wait_bound_and_warm_replicas_still_count_as_starting():
+    registry, admission, _ = make(max_wait_s=30.0, cold_wait_s=0.05)
+    registry.set_state("w1", rpb.WORKER_STATE_WARM)  # the supervisor starts replicas warm
+    register(registry, "w1")
+    with pytest.raises(RouterError) as cold:
+        await admission.acquire("tiny", 5)
+    assert cold.value.code == pb.ERROR_CODE_MODEL_STARTING
+    task = asyncio.create_task(admission.acquire("tiny", 5))
+    await asyncio.sleep(0)
+    registry.set_state("w1", rpb.WORKER_STATE_ACTIVE)  # promoted: the waiting request is placed
+    admission.dispatch()
+    assert (await task).worker.worker_id == "w1"

@@ -101,7 +101,7 @@ def new_request_from_proto(msg: pb.GenerateRequest) -> NewRequest:
 
 
 def new_request_to_proto(request: NewRequest, model: str, key_id: str = "", max_queue_wait_s: float = 0.0,
-                         tenant_weight: int = 0) -> pb.GenerateRequest:
+                         tenant_weight: int = 0, affinity_key: str = "") -> pb.GenerateRequest:
     """`model` and the rest are the router's alone (which version, usage ledger, admission's wait budget and
     fair share); a resumed request's delivered tokens travel at the end of the prompt (common.proto)."""
     delivered = request.delivered_token_ids
@@ -118,6 +118,7 @@ def new_request_to_proto(request: NewRequest, model: str, key_id: str = "", max_
         key_id=key_id,
         max_queue_wait_s=max_queue_wait_s,
         tenant_weight=tenant_weight,
+        affinity_key=affinity_key,
     )
 
 

@@ -21,6 +21,7 @@ from flotilla.observability.exposition import serve_metrics
 from flotilla.operator import gaie, manifests
 from flotilla.operator.config import OperatorConfig
 from flotilla.operator.kube import Kube, api_client
+from flotilla.operator.model_route_handlers import register_model_route_handlers
 from flotilla.operator.pool_spec import GROUP, PLURAL, VERSION, InvalidPoolSpec, PoolSpec, parse_spec
 from flotilla.operator.ratio import decode_replicas, total_decode_replicas
 from flotilla.operator.scaler import rescale
@@ -35,6 +36,7 @@ def register_handlers(registry: kopf.OperatorRegistry, config: OperatorConfig) -
         serve_metrics(metrics_registry, "0.0.0.0", config.metrics_port)  # scraped from inside the cluster
     routers: dict[str, RouterClient] = {}
     router_tls = config.router_tls()  # None: --insecure-internal (warned); neither: exits here, at start
+    register_model_route_handlers(registry, config, router_tls)  # FlotillaModelRoute (model_route.py)
 
     def router_for(spec: PoolSpec) -> RouterClient | None:
         address = spec.router_address or config.router_address

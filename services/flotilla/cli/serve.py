@@ -74,12 +74,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     router = subparsers.add_parser("router", help="place requests on workers and relay their streams")
     _add_common(router)
     router.add_argument("--alias", action="append", default=[], metavar="ALIAS=TARGET",
-                        help="alias for a model name or name@version (repeatable)")
+                        help="initial alias for a model name or name@version (repeatable); change aliases at "
+                             "run time with `flotilla models alias`")
+    router.add_argument("--model-routes-file", default=None, metavar="PATH",
+                        help="keep the model registry (aliases, rollouts, current versions) in this JSON file: "
+                             "a restarted router routes as before (default: in memory)")
+    rollback = router.add_argument_group("automatic rollback of a rollout (off unless a bound is given)")
+    rollback.add_argument("--auto-rollback-error-rate", type=float, default=None, metavar="FRACTION",
+                          help="roll back when the candidate's error rate over the window exceeds this (0..1)")
+    rollback.add_argument("--auto-rollback-ttft-p95-s", type=float, default=None,
+                          help="roll back when the candidate's TTFT p95 over the window exceeds this")
+    rollback.add_argument("--auto-rollback-window-s", type=float, default=120.0)
+    rollback.add_argument("--auto-rollback-min-requests", type=int, default=20,
+                          help="requests the candidate needs in the window before it is judged")
     router.add_argument("--model", action="append", default=[], metavar="NAME",
                         help="model expected to register: its requests wait instead of MODEL_NOT_FOUND")
     router.add_argument("--heartbeat-timeout-s", type=float, default=1.0)
     router.add_argument("--max-queue-depth", type=int, default=1024)
     router.add_argument("--max-queue-wait-s", type=float, default=30.0)
+    router.add_argument("--cold-start-wait-s", type=float, default=None,
+                        help="longest a request for a model with no active replica waits for one (its pool "
+                             "scaling from zero), then 503 'model is starting' with Retry-After (default: "
+                             "--max-queue-wait-s)")
     router.add_argument("--max-queued-tokens-per-worker", type=int, default=32_768)
     router.add_argument("--max-requests-per-worker", type=int, default=64)
     router.add_argument("--idle-tenant-extra-slots", type=int, default=1,
@@ -203,10 +219,13 @@ def run_router(args: argparse.Namespace) -> int:
         port=args.port,
         port_file=args.port_file,
         aliases=parse_aliases(args.alias),
+        model_routes_file=args.model_routes_file,
+        auto_rollback=_auto_rollback_rule(args),
         model_names=tuple(args.model),
         heartbeat_timeout_s=args.heartbeat_timeout_s,
         max_queue_depth=args.max_queue_depth,
         max_queue_wait_s=args.max_queue_wait_s,
+        cold_start_wait_s=args.cold_start_wait_s,
         limits=PlacementLimits(args.max_queued_tokens_per_worker, args.max_requests_per_worker,
                                args.idle_tenant_extra_slots, args.batch_min_free_kv_fraction),
         batch=BatchSettings(args.batch_latency_budget_ms, args.batch_max_wait_ms, args.batch_max_attempts,
@@ -220,6 +239,16 @@ def run_router(args: argparse.Namespace) -> int:
     setup_observability("flotilla-router")
     run_service(serve(config))
     return 0
+
+
+def _auto_rollback_rule(args: argparse.Namespace):
+    from flotilla.router.auto_rollback import AutoRollbackRule
+
+    try:
+        return AutoRollbackRule(args.auto_rollback_error_rate, args.auto_rollback_ttft_p95_s,
+                                args.auto_rollback_window_s, args.auto_rollback_min_requests)
+    except ValueError as err:
+        raise SystemExit(f"flotilla router: {err}") from None
 
 
 def parse_aliases(items: list[str]) -> dict[str, str]:

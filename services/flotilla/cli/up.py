@@ -144,7 +144,9 @@ def run_up(args: argparse.Namespace) -> int:
             model_name=settings["model_name"],
             host=settings["host"],
             gateway_port=settings["port"],
-            num_workers=settings["min_workers"] if autoscale else settings["workers"],
+            # --min-workers 0 still starts one worker: the gateway lists the model (and keeps it known) before the
+            # supervisor may scale the idle pool to zero; the next request then cold-starts it.
+            num_workers=max(1, settings["min_workers"]) if autoscale else settings["workers"],
             num_prefill_workers=settings["prefill"],
             num_decode_workers=settings["decode"],
             autoscale=autoscale,

@@ -18,6 +18,7 @@ from flotilla.gateway.body import parse_body, read_body
 from flotilla.gateway.connection_limits import hold_stream_slot
 from flotilla.gateway.context import GatewayContext, arrival_time, dialect_endpoint, gateway_context, request_id
 from flotilla.gateway.dialects import Dialect
+from flotilla.gateway.conversation_key import conversation_key
 from flotilla.gateway.errors import ErrorKind, GatewayError
 from flotilla.gateway.generation import (Job, check_context_window, checked_sampling, collect, router_events,
                                          tokenize, until_disconnected)
@@ -49,8 +50,9 @@ async def create_message(request: Request) -> Response:
         hold_stream_slot(request, principal)  # before admission: a refused stream holds no quota
     admitted = await admit(request, ctx.gatekeeper, ctx.settings.admission, Dialect.ANTHROPIC, principal,
                            request_id(request), len(prompt_ids), params.max_tokens)
+    user_id = params.metadata.user_id if params.metadata is not None else None
     job = Job.create(request_id(request), model, principal, prompt_ids, sampling, arrival_time(request),
-                     admitted.ticket)
+                     admitted.ticket, conversation_key(principal.tenant, user_id, params.system, params.messages))
     events = router_events(ctx, job, requested, admitted, streamed=bool(params.stream))
     message_id = "msg_" + job.request_id.removeprefix("req_")
     if params.stream:

@@ -74,6 +74,7 @@ _ROUTER_CODES = {
     common.ERROR_CODE_UNAVAILABLE: (ErrorKind.UNAVAILABLE, "unavailable"),
     common.ERROR_CODE_DEADLINE_EXCEEDED: (ErrorKind.TIMEOUT, "deadline_exceeded"),
     common.ERROR_CODE_INTERNAL: (ErrorKind.INTERNAL, None),
+    common.ERROR_CODE_MODEL_STARTING: (ErrorKind.UNAVAILABLE, "model_starting"),
 }
 
 _GRPC_CODES = {
@@ -97,7 +98,8 @@ _FLEET_FAULTS = {
 def error_from_router(error: Error, request_id: str = "") -> GatewayError:
     kind, code = _ROUTER_CODES.get(error.code, (ErrorKind.INTERNAL, None))
     message = error.message or f"router error {common.ErrorCode.Name(error.code)}"
-    generic = _FLEET_FAULTS.get(kind)
+    # A cold start's message is meant for the client ("model 'x' is starting ..."): it names nothing internal.
+    generic = _FLEET_FAULTS.get(kind) if error.code != common.ERROR_CODE_MODEL_STARTING else None
     if generic is not None:
         log.warning("request %s: %s from the fleet: %s", request_id or "-", kind.name, message)
         message = f"{generic} (request {request_id})" if request_id else generic

@@ -72,6 +72,7 @@ def _zero(value: Any) -> str | None:
 
 
 NO_EFFECT = "accepted; it changes nothing here"
+STICKY_VERSION = "keeps the conversation on one model version during a rollout (else a hash of its first messages)"
 
 _OPENAI_COMMON: dict[str, Status] = {
     "model": Supported("a served model, alias or name@version; the gateway's --default-model when absent"),
@@ -87,7 +88,7 @@ _OPENAI_COMMON: dict[str, Status] = {
     "presence_penalty": Partly("0 only", _zero),
     "frequency_penalty": Partly("0 only", _zero),
     "logit_bias": Partly("empty only", _only({}, reason="logit biases are not built")),
-    "user": Supported(NO_EFFECT),
+    "user": Supported(STICKY_VERSION),
     # vLLM-style extensions, in no OpenAI SDK type:
     "top_k": Supported("extension (vLLM): 0 = off"),
     "ignore_eos": Supported("extension (vLLM): generate exactly max_tokens"),
@@ -146,7 +147,7 @@ MESSAGES_FIELDS: dict[str, Status] = {
     "temperature": Supported("[0, 1] (Anthropic API field, not in the SDK's types: send it in extra_body)"),
     "top_p": Supported("(Anthropic API field, as temperature)"),
     "top_k": Supported("(Anthropic API field, as temperature)"),
-    "metadata": Supported("user_id: " + NO_EFFECT),
+    "metadata": Supported("user_id: " + STICKY_VERSION),
     "tools": Supported("custom tools, rendered by the model's chat template; server tools: see below"),
     "tool_choice": Partly("auto, none, any, tool (any / tool force calls with a grammar; "
                           "disable_parallel_tool_use with them: one call)", _anthropic_tool_choice),

@@ -60,13 +60,14 @@ class Job:
     principal: Principal
     started_at: float  # perf_counter at arrival, for TTFT
     route: RouteTicket  # class, deadline, wait budget, fair-share weight (admission.py)
+    affinity_key: str = ""  # the conversation, for a rollout's sticky split (conversation_key.py)
 
     @classmethod
     def create(cls, request_id: str, model: ServedModel, principal: Principal, prompt_token_ids: list[int],
-               sampling: SamplingParams, started_at: float, route: RouteTicket) -> Job:
+               sampling: SamplingParams, started_at: float, route: RouteTicket, affinity_key: str = "") -> Job:
         request = NewRequest(request_id, tuple(prompt_token_ids), sampling, route.priority, principal.salt,
                              principal.tenant, route.deadline_unix_s)
-        return cls(request, model, principal, started_at, route)
+        return cls(request, model, principal, started_at, route, affinity_key)
 
     @property
     def request_id(self) -> str:
@@ -79,7 +80,7 @@ class Job:
     def to_proto(self, requested_model: str) -> common.GenerateRequest:
         return new_request_to_proto(self.request, requested_model, key_id=self.principal.key_id,
                                     max_queue_wait_s=self.route.max_queue_wait_s,
-                                    tenant_weight=self.route.tenant_weight)
+                                    tenant_weight=self.route.tenant_weight, affinity_key=self.affinity_key)
 
 
 def checked_sampling(**kwargs) -> SamplingParams:

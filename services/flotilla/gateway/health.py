@@ -32,7 +32,9 @@ async def readyz(request: Request) -> Response:
         models = await gateway_context(request).registry.refresh()
     except GatewayError as err:
         return JSONResponse({"status": "unavailable", "reason": err.message}, status_code=503)
-    if not models:
+    # Models scaled to zero still count: a gateway taken out of its Service could not pass on the request that
+    # cold-starts them.
+    if not models and not gateway_context(request).registry.has_known_models:
         return JSONResponse({"status": "unavailable", "reason": "the router serves no model"}, status_code=503)
     degraded = await _redis_state(request)
     if degraded:

@@ -4,7 +4,8 @@ The gateway has no model files: each model's tokenizer is built from the tokeniz
 published through the router (fetched once per digest and cached), checked against the digest first.
 
 The list is re-read periodically and, throttled, when a request names a model we do not know (a model
-that came up since the last refresh should not have to wait a whole period).
+that came up since the last refresh should not have to wait a whole period). Names seen once stay known after
+they leave the list (scale to zero): their requests go to the router, which cold-starts them.
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ class ModelRegistry:
     def models(self) -> list[ServedModel]:
         return list(self._models)
 
+    @property
+    def has_known_models(self) -> bool:
+        """Listed now or once before (a model scaled to zero stays known)."""
+        return bool(self._by_name)
+
     async def refresh(self) -> list[ServedModel]:
         """Re-read the model list; raises GatewayError(UNAVAILABLE) when the router cannot be reached."""
         async with self._lock:
@@ -85,7 +91,9 @@ class ModelRegistry:
                 raise
             models = [m for m in [await self._served(info) for info in infos] if m is not None]
             self._models = models
-            self._by_name = _index(models)
+            # A model that left the list (its pool scaled to zero) stays resolvable with what we knew of it: the
+            # router holds its requests while the pool starts again, or answers that it no longer serves it.
+            self._by_name = {**self._by_name, **_index(models)}
             return list(models)
 
     async def resolve(self, name: str) -> ServedModel:

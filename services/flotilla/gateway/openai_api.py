@@ -19,6 +19,7 @@ from flotilla.gateway.body import parse_body, read_body
 from flotilla.gateway.connection_limits import hold_stream_slot
 from flotilla.gateway.context import GatewayContext, arrival_time, dialect_endpoint, gateway_context, request_id
 from flotilla.gateway.dialects import Dialect, error_body
+from flotilla.gateway.conversation_key import conversation_key
 from flotilla.gateway.errors import ErrorKind, GatewayError
 from flotilla.gateway.generation import (Job, check_context_window, checked_sampling, collect, router_events,
                                          tokenize, until_disconnected)
@@ -147,7 +148,8 @@ async def _generate(request: Request, ctx: GatewayContext, plan: Plan) -> Respon
     admitted = await admit(request, ctx.gatekeeper, ctx.settings.admission, Dialect.OPENAI, plan.principal,
                            request_id(request), len(plan.prompt_ids), sampling.max_tokens)
     job = Job.create(request_id(request), plan.model, plan.principal, plan.prompt_ids, sampling,
-                     arrival_time(request), admitted.ticket)
+                     arrival_time(request), admitted.ticket,
+                     conversation_key(plan.principal.tenant, params.user, messages=getattr(params, "messages", ())))
     events = router_events(ctx, job, plan.requested_model, admitted, streamed=bool(params.stream))
     head = _Head(plan.endpoint.id_prefix + job.request_id.removeprefix("req_"), int(time.time()), plan.model.name)
     if params.stream:

@@ -23,5 +23,12 @@ ROUTER_POLICY: dict[str, tuple[str, ...]] = {
         "ListWorkers": ("operator",),
         "SetWorkerState": ("operator",),
         "GetPoolSignals": ("operator",),
+        # The model registry (router/lifecycle_service.py): `flotilla models` and the operator's FlotillaModelRoute.
+        "ListModelRoutes": ("operator",),
+        "SetModelAlias": ("operator",),
+        "SetModelRollout": ("operator",),
+        "PromoteModel": ("operator",),
+        "RollbackModel": ("operator",),
+        "GetModelStatus": ("operator",),
     }.items()
 }

@@ -8,6 +8,9 @@ queued ahead in its class and above / measured fleet throughput) is checked agai
 beyond it, OVERLOADED at once with a retry_after_s from the drain rate. A request waits up to its deadline
 or `max_queue_wait_s`, then fails UNAVAILABLE (no healthy worker serves its model) or OVERLOADED (all
 busy); a full class queue (bounded depth) answers OVERLOADED at once.
+
+Cold start: a request for a known model with no active replica (its pool scaling from zero) waits up to its
+deadline or `cold_start_wait_s`, then fails MODEL_STARTING ("model is starting", retry after a few seconds).
 """
 
 from __future__ import annotations
@@ -21,10 +24,13 @@ from typing import NamedTuple
 
 from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.router.fair_queue import FairQueue
+from flotilla.router.model_routes import ModelRoutes
 from flotilla.router.models import ModelNotFoundError, Resolution, resolve_model
 from flotilla.router.placement import PlacementLimits, choose_worker
 from flotilla.router.registry import WorkerEntry, WorkerRegistry
 from flotilla.router.wait_estimate import ThroughputMeter, estimated_wait_s, overload_retry_after_s
+
+COLD_START_RETRY_AFTER_S = 5.0  # what a MODEL_STARTING answer tells the caller to wait
 
 # Served in this order: a batch request is placed only while no interactive one waits for the same model.
 CLASS_ORDER = (pb.PRIORITY_CLASS_INTERACTIVE, pb.PRIORITY_CLASS_BATCH)
@@ -49,12 +55,14 @@ class Ticket(NamedTuple):
     num_tokens: int = 0  # prompt + max_tokens; 0: the prompt only
     weight: int = 1
     max_queue_wait_s: float = 0.0  # 0: no wait-budget check
+    affinity_key: str = ""  # the conversation, bucketed by a rollout's split (models.py)
 
     @classmethod
     def of(cls, request: pb.GenerateRequest) -> Ticket:
         priority = request.priority if request.priority in CLASS_ORDER else pb.PRIORITY_CLASS_INTERACTIVE
         return cls(priority, request.tenant_id, len(request.prompt_token_ids) + request.sampling.max_tokens,
-                   max(1, request.tenant_weight), request.max_queue_wait_s)
+                   max(1, request.tenant_weight), request.max_queue_wait_s,
+                   request.affinity_key or request.request_id)
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,7 @@ class _Waiter:
     weight: int = 1
     deadline_unix_s: float = 0.0
     avoid: frozenset[str] = frozenset()
+    affinity_key: str = ""
 
 
 @dataclass
@@ -102,28 +111,35 @@ class Admission:
     def __init__(
         self,
         registry: WorkerRegistry,
-        aliases: Mapping[str, str],
+        routes: ModelRoutes | Mapping[str, str],  # the model registry, or just aliases (tests)
         expected_names: Collection[str],
         limits: PlacementLimits,
         max_queue_depth: int,
         max_queue_wait_s: float,
         wall_clock: Callable[[], float] = time.time,
+        cold_start_wait_s: float | None = None,  # None: max_queue_wait_s
     ):
         self._registry = registry
-        self._aliases = dict(aliases)
+        self.routes = routes if isinstance(routes, ModelRoutes) else ModelRoutes(routes)
         self._expected_names = frozenset(expected_names)
         self._limits = limits
         self._max_queue_depth = max_queue_depth
         self._max_queue_wait_s = max_queue_wait_s
+        self._cold_start_wait_s = max_queue_wait_s if cold_start_wait_s is None else cold_start_wait_s
         self._wall_clock = wall_clock
         self._queues: dict[str, _ModelQueues] = {}
         self.throughput = ThroughputMeter()
 
-    def resolve(self, requested: str) -> Resolution:
+    def resolve(self, requested: str, affinity_key: str = "") -> Resolution:
+        """The version this request goes to now: a rollout's split buckets `affinity_key` (its conversation)."""
         if not requested:
             raise RouterError(pb.ERROR_CODE_INVALID_REQUEST, "model must not be empty", "model")
+        versions = self._registry.model_versions()
+        routes = self.routes
+        routes.observe(versions)
         try:
-            return resolve_model(requested, self._registry.model_versions(), self._aliases, self._expected_names)
+            return resolve_model(requested, versions, routes.aliases, routes.expected_names(self._expected_names),
+                                 routes.routes, affinity_key)
         except ModelNotFoundError as exc:
             raise RouterError(pb.ERROR_CODE_MODEL_NOT_FOUND, str(exc), "model") from None
 
@@ -153,13 +169,14 @@ class Admission:
         """A worker for this request, now or after queueing; raises RouterError. `avoid`: workers a retried
         request was lost on, used only while no other healthy worker serves its model version."""
         ticket = ticket or Ticket(num_tokens=num_prompt_tokens)
-        resolution = self.resolve(requested)
+        resolution = self.resolve(requested, ticket.affinity_key)
         queues = self._queues.setdefault(resolution.name, _ModelQueues())
         idle = self._is_idle(resolution.name, ticket.tenant)
         # A tenant with nothing in flight starts at once (within the extra slots) even past its own class's
         # queue, never past a class served before its own.
         if not (queues.has_waiters_before(ticket.priority) if idle else queues.has_waiters_ahead(ticket.priority)):
-            placement = self._try_place(requested, num_prompt_tokens, ticket.tenant, avoid, ticket.priority)
+            placement = self._try_place(requested, num_prompt_tokens, ticket.tenant, avoid, ticket.affinity_key,
+                                        ticket.priority)
             if placement is not None:
                 return placement
         self._check_wait_budget(resolution.name, ticket)
@@ -168,16 +185,18 @@ class Admission:
             raise RouterError(pb.ERROR_CODE_OVERLOADED, f"queue for {resolution.name!r} is full",
                               retry_after_s=self._retry_after(resolution.name, ticket))
         waiter = _Waiter(requested, num_prompt_tokens, asyncio.get_running_loop().create_future(), ticket.tenant,
-                         max(ticket.num_tokens, num_prompt_tokens, 1), ticket.weight, deadline_unix_s, avoid)
+                         max(ticket.num_tokens, num_prompt_tokens, 1), ticket.weight, deadline_unix_s, avoid,
+                         ticket.affinity_key)
         queue.push(waiter)
+        cold = not self._registry.has_active_replica(resolution.name)
         try:
-            await asyncio.wait([waiter.future], timeout=self._wait_budget(deadline_unix_s))
+            await asyncio.wait([waiter.future], timeout=self._wait_budget(deadline_unix_s, cold))
         finally:
             if not waiter.future.done():
                 waiter.future.cancel()
             queue.discard(waiter)
         if waiter.future.cancelled():
-            raise self._timeout_error(resolution.name, deadline_unix_s)
+            raise self._timeout_error(resolution.name, deadline_unix_s, requested)
         return waiter.future.result()
 
     def _check_wait_budget(self, name: str, ticket: Ticket) -> None:
@@ -205,12 +224,12 @@ class Admission:
     def dispatch(self) -> None:
         """Place queue heads (interactive first, fair between tenants) while workers have room."""
         self._observe_throughput()
-        for queues in self._queues.values():
+        for name, queues in self._queues.items():
             for priority in CLASS_ORDER:
-                if not self._dispatch_class(queues.classes[priority], priority):
+                if not self._dispatch_class(name, queues.classes[priority], priority):
                     break  # the head found no room: nothing of a later class may jump ahead of it
 
-    def _dispatch_class(self, queue: FairQueue[_Waiter], priority: int) -> bool:
+    def _dispatch_class(self, name: str, queue: FairQueue[_Waiter], priority: int) -> bool:
         """True when the class queue was emptied."""
         while (waiter := queue.peek()) is not None:
             if waiter.future.done():
@@ -218,12 +237,13 @@ class Admission:
                 continue
             if 0 < waiter.deadline_unix_s <= self._wall_clock():
                 queue.pop()
-                waiter.future.set_exception(RouterError(pb.ERROR_CODE_DEADLINE_EXCEEDED,
-                                                        "the request's deadline passed while it was queued"))
+                waiter.future.set_exception(
+                    RouterError(pb.ERROR_CODE_DEADLINE_EXCEEDED, "the request's deadline passed while it was queued")
+                    if self._registry.has_active_replica(name) else _model_starting(waiter.requested))
                 continue
             try:
                 placement = self._try_place(waiter.requested, waiter.num_prompt_tokens, waiter.tenant, waiter.avoid,
-                                            priority)
+                                            waiter.affinity_key, priority)
             except RouterError as exc:  # its version went away while it waited
                 queue.pop()
                 waiter.future.set_exception(exc)
@@ -238,9 +258,10 @@ class Admission:
         return self._registry.num_assigned_to_tenant(name, tenant) == 0
 
     def _try_place(self, requested: str, num_prompt_tokens: int, tenant: str = "",
-                   avoid: frozenset[str] = frozenset(),
+                   avoid: frozenset[str] = frozenset(), affinity_key: str = "",
                    priority: int = pb.PRIORITY_CLASS_INTERACTIVE) -> Placement | None:
-        resolution = self.resolve(requested)
+        # Resolved again at each try: a queued request follows a route change (a rollback) made while it waited.
+        resolution = self.resolve(requested, affinity_key)
         if resolution.version is None:
             return None
         healthy = self._registry.healthy_workers(resolution.name, resolution.version)
@@ -257,15 +278,23 @@ class Admission:
         self._registry.assign(workers[chosen], tenant)
         return Placement(workers[chosen], resolution)
 
-    def _wait_budget(self, deadline_unix_s: float) -> float:
-        budget = self._max_queue_wait_s
+    def _wait_budget(self, deadline_unix_s: float, cold: bool = False) -> float:
+        budget = self._cold_start_wait_s if cold else self._max_queue_wait_s
         if deadline_unix_s > 0:
             budget = min(budget, deadline_unix_s - self._wall_clock())
         return max(0.0, budget) if math.isfinite(budget) else self._max_queue_wait_s
 
-    def _timeout_error(self, name: str, deadline_unix_s: float = 0.0) -> RouterError:
+    def _timeout_error(self, name: str, deadline_unix_s: float = 0.0, requested: str = "") -> RouterError:
+        if not self._registry.has_active_replica(name):  # says more than a missed deadline
+            return _model_starting(requested or name)
         if not self._registry.has_healthy_worker(name):  # says more than a missed deadline: retry later
             return RouterError(pb.ERROR_CODE_UNAVAILABLE, f"no healthy worker serves {name!r} now")
         if 0 < deadline_unix_s <= self._wall_clock():
             return RouterError(pb.ERROR_CODE_DEADLINE_EXCEEDED, "the request's deadline passed while it was queued")
         return RouterError(pb.ERROR_CODE_OVERLOADED, f"every worker serving {name!r} is busy")
+
+
+def _model_starting(requested: str) -> RouterError:
+    """A cold model's answer: it names only what the caller asked for (the gateway passes it on as is)."""
+    return RouterError(pb.ERROR_CODE_MODEL_STARTING, f"model {requested!r} is starting: no replica is serving it "
+                       f"yet; retry in {COLD_START_RETRY_AFTER_S:g} s", retry_after_s=COLD_START_RETRY_AFTER_S)

@@ -245,6 +245,11 @@ class WorkerRegistry:
     def has_healthy_worker(self, name: str) -> bool:
         return any(e.model_name == name and self.is_healthy(e) for e in self._token_workers())
 
+    def has_active_replica(self, name: str) -> bool:
+        """A worker in rotation is registered for this model, healthy or not; without one the model is cold
+        (its pool scaling from zero, or only warm replicas not promoted yet)."""
+        return any(e.model_name == name and e.state == rpb.WORKER_STATE_ACTIVE for e in self._token_workers())
+
     def _token_workers(self) -> list[WorkerEntry]:
         """Workers of the token path (Generate); fixed-batch workers are the batch dispatcher's."""
         return [e for e in self._workers.values() if not e.is_fixed_batch]

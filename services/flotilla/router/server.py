@@ -8,8 +8,10 @@ import logging
 
 from flotilla.api.router.v1 import router_pb2_grpc
 from flotilla.router.admission import Admission
+from flotilla.router.auto_rollback import AutoRollbackRule, check_rollouts
 from flotilla.router.batch_dispatcher import BatchDispatcher
 from flotilla.router.config import RouterConfig
+from flotilla.router.model_routes import ModelRoutes
 from flotilla.router.models import expected_names
 from flotilla.router.registry import WorkerRegistry
 from flotilla.observability.exposition import serve_metrics
@@ -30,25 +32,31 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         stop_on_signals(stop)
     registry = WorkerRegistry(config.heartbeat_timeout_s, config.evict_after_s,
                               channel_factory=lambda address: aio_channel(address, config.tls, "worker"))
+    metrics = RouterMetrics()
+    routes = ModelRoutes(config.aliases, config.model_routes_file)
+    routes.add_listener(lambda change, name, route: metrics.route_changed(change.action, name, route))
     admission = Admission(
         registry,
-        config.aliases,
+        routes,
         expected_names(config.model_names, config.aliases),
         config.limits,
         config.max_queue_depth,
         config.max_queue_wait_s,
+        cold_start_wait_s=config.cold_start_wait_s,
     )
     batches = BatchDispatcher(registry, config.batch, frozenset(config.model_names))
     server = aio_server(config.tls, ROUTER_POLICY)
-    metrics = RouterMetrics()
     router_pb2_grpc.add_RouterServiceServicer_to_server(
-        RouterService(registry, admission, dict(config.aliases), config.heartbeat_interval_s, metrics, batches),
+        RouterService(registry, admission, config.heartbeat_interval_s, metrics, batches),
         server,
     )
     port = bind(server, config.host, config.port, config.tls)
     await server.start()
     sweeper = asyncio.create_task(_sweep_forever(registry, config.heartbeat_timeout_s / 4))
     dispatcher = asyncio.create_task(batches.run_forever())
+    tasks = [sweeper, dispatcher]
+    if config.auto_rollback.enabled:
+        tasks.append(asyncio.create_task(_auto_rollback_forever(config.auto_rollback, admission, metrics, registry)))
     metrics_server = None
     if config.metrics_port is not None:
         metrics_server = serve_metrics(metrics.registry, config.host, config.metrics_port, config.metrics_port_file)
@@ -59,7 +67,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         logger.info("router stopping")
         if metrics_server is not None:
             metrics_server.stop()
-        for task in (sweeper, dispatcher):
+        for task in tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -74,3 +82,14 @@ async def _sweep_forever(registry: WorkerRegistry, interval_s: float) -> None:
             await registry.sweep()
         except Exception:
             logger.exception("registry sweep failed")
+
+
+async def _auto_rollback_forever(rule: AutoRollbackRule, admission: Admission, metrics: RouterMetrics,
+                                 registry: WorkerRegistry, interval_s: float = 1.0) -> None:
+    while True:
+        await asyncio.sleep(interval_s)  # a periodic check, not a wait for something
+        try:
+            if check_rollouts(rule, admission.routes, metrics.versions, registry.model_versions):
+                admission.dispatch()
+        except Exception:
+            logger.exception("automatic rollback check failed")

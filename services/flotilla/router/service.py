@@ -22,6 +22,7 @@ from flotilla.router.batch_dispatcher import BatchDispatcher
 from flotilla.router.disagg_planner import DisaggPlanner
 from flotilla.router.model_assets import RejectedAssetsError
 from flotilla.router.failover import DEFAULT_MAX_ATTEMPTS, StreamProgress, WorkerLost
+from flotilla.router.lifecycle_service import ModelLifecycleRpcs
 from flotilla.router.models import aliases_of
 from flotilla.router.pool_signals import pool_signals
 from flotilla.router.registry import WorkerRegistry
@@ -34,26 +35,25 @@ logger = logging.getLogger(__name__)
 _WORKER_GONE = (grpc.StatusCode.UNAVAILABLE,)
 
 
-class RouterService(router_pb2_grpc.RouterServiceServicer):
+class RouterService(ModelLifecycleRpcs, router_pb2_grpc.RouterServiceServicer):
     max_attempts = DEFAULT_MAX_ATTEMPTS  # workers one request may be placed on (failover.py)
 
     def __init__(
         self,
         registry: WorkerRegistry,
         admission: Admission,
-        aliases: dict[str, str],
         heartbeat_interval_s: float,
         metrics: RouterMetrics | None = None,
         batches: BatchDispatcher | None = None,
     ):
         self._registry = registry
         self._admission = admission
-        self._aliases = aliases
         self._heartbeat_interval_ms = int(heartbeat_interval_s * 1000)
         self.traffic = TrafficWindow()  # TTFT and token mix for GetPoolSignals (autoscaler)
         self.metrics = metrics or RouterMetrics()
         self._disagg = DisaggPlanner(registry, getattr(admission, "_limits", None))
         self.batches = batches  # fixed-batch models (batch_dispatcher.py); None: BatchGenerateSession refused
+        self._init_lifecycle()
 
     # ---- fixed-batch models ------------------------------------------------------------------------
     async def BatchGenerateSession(self, calls, context: grpc.aio.ServicerContext) -> None:
@@ -186,6 +186,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
                 progress.on_chunk(event)
                 if event.token_ids:
                     arrived_s = self._record_tokens(placement, len(event.token_ids), arrived_s)
+                    telemetry.on_tokens(len(event.token_ids))
             else:
                 progress.on_result(event, response, worker.worker_id)
                 telemetry.on_result(event)
@@ -328,13 +329,17 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         self, request: rpb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> rpb.ListModelsResponse:
         versions = self._registry.model_versions()
+        routes = self._admission.routes
+        routes.observe(versions)
         models = []
-        for ref in sorted(versions, key=lambda r: (r.name, -r.first_registered)):
+        # A name's current version first (the gateway takes the first listed for a bare name), then the newest.
+        current = {name: route.current for name, route in routes.routes.items()}
+        for ref in sorted(versions, key=lambda r: (r.name, current.get(r.name) != r.version, -r.first_registered)):
             info = pb.ModelInfo()
             info.CopyFrom(self._registry.model_info(ref.name, ref.version))
             if not self._registry.assets.has(info.assets_digest):
                 continue  # a gateway could not tokenize for it yet: listed once its worker sent the files
-            info.aliases[:] = aliases_of(ref, versions, self._aliases)
+            info.aliases[:] = aliases_of(ref, versions, routes.aliases, routes.routes)
             models.append(info)
         return rpb.ListModelsResponse(models=models)
 

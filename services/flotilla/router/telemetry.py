@@ -39,6 +39,10 @@ class RouterRequestTelemetry:
                                                     "flotilla.model": request.model, "flotilla.class": self._class})
         self._queue_span = tracer().start_span("router.queue_wait", context=trace.set_span_in_context(self.span))
         self._placed = False
+        self._version: tuple[str, str] | None = None  # (name, version) placed on, for per-version stats
+        self._num_tokens = 0
+        self._first_token_at: float | None = None
+        self._last_token_at = 0.0
         metrics.queue_depth.labels(self._model, self._class).inc()
 
     def placed(self, placement: Placement) -> None:
@@ -47,6 +51,19 @@ class RouterRequestTelemetry:
         self._placed = True
         self._metrics.inflight.labels(self._model).inc()
         self._metrics.queue_wait.labels(self._model, self._class).observe(self._queue_wait_s)
+        resolution = placement.resolution
+        if resolution.version:
+            self._version = (resolution.name, resolution.version)
+            self._metrics.versions.started(*self._version)
+            self.span.set_attribute("flotilla.model_version", resolution.version)
+
+    def on_tokens(self, num_tokens: int) -> None:
+        """Tokens relayed to the caller (for the version's TTFT, TPOT and output length)."""
+        now = time.perf_counter()
+        if self._first_token_at is None:
+            self._first_token_at = now
+        self._last_token_at = now
+        self._num_tokens += num_tokens
 
     def running_on(self, worker_id: str) -> None:
         """The worker the stream runs on: the plan may move it off admission's choice; failover moves it."""
@@ -68,6 +85,11 @@ class RouterRequestTelemetry:
         self._end_queue_wait()
         if self._placed:
             self._metrics.inflight.labels(self._model).dec()
+        if self._version is not None:
+            first = self._first_token_at
+            ttft = first - self._arrived if first is not None else None
+            tpot = (self._last_token_at - first) / (self._num_tokens - 1) if first and self._num_tokens > 1 else None
+            self._metrics.version_finished(*self._version, self.outcome, ttft, tpot, self._num_tokens)
         self._metrics.requests.labels(self._model, self._class, self.tier or "unknown", self.outcome).inc()
         if self.outcome not in ("ok", "cancelled"):
             self._metrics.rejections.labels(self.outcome).inc()
