@@ -29,7 +29,7 @@ MAX_BODY_BYTES = 64 * 1024
 
 
 class InProcessGateway:
-    def __init__(self, checkpoint_path: Path, keys_dir: Path):
+    def __init__(self, checkpoint_path: Path, keys_dir: Path, safety_config: Path | None = None):
         self.fake = FakeRouter(str(checkpoint_path))
         self.paid_key, self.free_key, self.batch_key = generate_key(), generate_key(), generate_key()
         self.keys_file = keys_dir / "keys.json"
@@ -38,7 +38,8 @@ class InProcessGateway:
                                          KeyEntry("k-batch", hash_key(self.batch_key), "acme", "paid",
                                                   priority_class="batch")])
         self.settings = GatewaySettings(keys_file=self.keys_file, max_body_bytes=MAX_BODY_BYTES,
-                                        model_refresh_s=3600.0, min_refresh_gap_s=0.0, retry_after_s=7)
+                                        model_refresh_s=3600.0, min_refresh_gap_s=0.0, retry_after_s=7,
+                                        safety_config=safety_config)
         self.metrics = GatewayMetrics()
         self._sock = socket.socket()
         self._sock.bind(("127.0.0.1", 0))

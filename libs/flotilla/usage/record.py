@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, fields
 STATUS_OK = "ok"  # finished (stop or length)
 STATUS_ERROR = "error"  # ended with an error (see error_code)
 STATUS_CANCELLED = "cancelled"  # the caller went away before the end
+STATUS_FILTERED = "filtered"  # the gateway's safety stage stopped the answer (output_tokens: those sent before)
 
 
 @dataclass(frozen=True)

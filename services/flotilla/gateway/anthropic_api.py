@@ -21,6 +21,7 @@ from flotilla.gateway.errors import ErrorKind, GatewayError
 from flotilla.gateway.generation import (Job, check_context_window, checked_sampling, collect, router_events,
                                          tokenize, until_disconnected)
 from flotilla.gateway.model_registry import ServedModel
+from flotilla.gateway.safety.stage import screen_prompt, screened
 from flotilla.gateway.sse import SSEResponse, first_event
 from flotilla.gateway.structured_params import anthropic_structured_output
 from flotilla.gateway.tool_calling import ToolSetup, tool_setup
@@ -44,11 +45,12 @@ async def create_message(request: Request) -> Response:
                                 stop=tuple(params.stop_sequences or ()), structured_output=constraint)
     prompt_ids = await tokenize(encode_prompt, model.tokenizer, params)
     check_context_window(len(prompt_ids), params.max_tokens, model.max_model_len)
+    policy = await screen_prompt(ctx.safety, ctx.metrics, principal, model.tokenizer, prompt_ids)
     admitted = await admit(request, ctx.gatekeeper, ctx.settings.admission, Dialect.ANTHROPIC, principal,
                            request_id(request), len(prompt_ids), params.max_tokens)
     job = Job.create(request_id(request), model, principal, prompt_ids, sampling, arrival_time(request),
                      admitted.ticket)
-    events = router_events(ctx, job, requested, admitted)
+    events = screened(router_events(ctx, job, requested, admitted), policy, ctx.metrics, job.num_prompt_tokens)
     message_id = "msg_" + job.request_id.removeprefix("req_")
     if params.stream:
         first = await first_event(request, events)

@@ -26,6 +26,7 @@ class Principal:
     priority_class: str = "interactive"
     limits: Limits = field(default_factory=Limits)
     cache_salt: str = ""
+    safety_policy: str = ""  # "": the gateway's default safety policy
 
     @property
     def salt(self) -> str:
@@ -66,7 +67,7 @@ async def authenticate(headers: Headers, gatekeeper: Gatekeeper | None) -> Princ
         raise GatewayError(ErrorKind.PERMISSION, f"this key's priority class is {entry.priority_class}: "
                            f"{PRIORITY_HEADER} may only lower it", param=PRIORITY_HEADER, code="permission_denied")
     return Principal(entry.key_id, entry.tenant, entry.tier, priority or entry.priority_class, entry.limits,
-                     entry.cache_salt)
+                     entry.cache_salt, entry.safety_policy)
 
 
 def _rank(priority_class: str) -> int:

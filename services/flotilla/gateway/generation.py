@@ -48,7 +48,7 @@ class Generation:
 
     text: str
     chunks: list[Chunk]
-    finished: Finished
+    finished: Finished  # or the safety stage's Filtered (safety/filtered.py)
 
 
 @dataclass(frozen=True)
@@ -203,6 +203,14 @@ class RouterEvents:
     async def aclose(self) -> None:
         await self._end(None)
 
+    async def end_with(self, event: object) -> None:
+        """Ends the stream on the gateway's own last event (the safety stage's Filtered): every tap sees it,
+        then the call is cancelled (the engine aborts the request) and the taps end."""
+        if not self._ended:
+            for on_event in self._on_event:
+                on_event(event)
+        await self.aclose()
+
     def _start(self) -> AsyncIterator[StreamEvent]:
         ctx, job = self._ctx, self._job
         metering = self._metering = Metering(ctx.metrics, job)
@@ -250,7 +258,7 @@ class RouterEvents:
 async def collect(events: Events) -> Generation:
     chunks: list[Chunk] = []
     async for event in events:
-        if type(event) is Finished:
+        if type(event) is not Chunk:  # Finished, or the safety stage's Filtered
             return Generation("".join(c.text for c in chunks), chunks, event)
         chunks.append(event)
     raise GatewayError(ErrorKind.INTERNAL, "the router closed the stream without a result")

@@ -34,6 +34,7 @@ class GatewaySettings:
     idempotency_ttl_s: float = 24 * 3600.0
     stream_resume_grace_s: float = 30.0
     tool_call_parser: str = "auto"  # how models write tool calls: "auto" (from each chat template) or a syntax name
+    safety_config: Path | None = None  # safety policies (JSON, safety/config.py); None: nothing is screened
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:

@@ -2,7 +2,8 @@
 the router, written when its stream ends however it ends (finished, error, caller gone), off the hot path
 (UsageLedger).
 
-Billed output tokens are the tokens relayed to the handler (for a stream: sent to the client); the prompt
+Billed output tokens are the tokens relayed to the handler (for a stream: sent to the client; an answer the
+safety stage stopped, status `filtered`, bills those sent before the block); the prompt
 and cached counts come from the router's Finished event (the caller's prompt even after a resume), the
 attempts and model version from the router's last event.
 """
@@ -17,9 +18,10 @@ from flotilla.api.common.v1 import common_pb2 as common
 from flotilla.engine.new_request import NewRequest
 from flotilla.engine.request import FinishReason
 from flotilla.gateway.errors import GatewayError
+from flotilla.gateway.safety.filtered import Filtered
 from flotilla.rpc.stream_events import Chunk, Error, Finished, StreamEvent
 from flotilla.usage.ledger import UsageLedger
-from flotilla.usage.record import STATUS_CANCELLED, STATUS_ERROR, STATUS_OK, UsageRecord
+from flotilla.usage.record import STATUS_CANCELLED, STATUS_ERROR, STATUS_FILTERED, STATUS_OK, UsageRecord
 
 
 class UsageLedgerTap:
@@ -44,6 +46,9 @@ class UsageLedgerTap:
             self._last = event
             aborted = event.reason is FinishReason.ABORT
             self._status, self._error_code = (STATUS_ERROR, "aborted") if aborted else (STATUS_OK, "")
+        elif type(event) is Filtered:  # held-back chunks were relayed here but never sent: not billed
+            self._num_output_tokens = event.usage.completion_tokens
+            self._status, self._error_code = STATUS_FILTERED, event.verdict.category
         else:
             self._last = event
             self._status, self._error_code = STATUS_ERROR, common.ErrorCode.Name(event.code)
