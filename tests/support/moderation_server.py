@@ -57,11 +57,14 @@ class ModerationServer:
                 status, answer = (server.fail_status, {"error": "failing on purpose"}) if server.fail_status \
                     else (200, {"id": "modr-test", "model": "test", "results": server.results(texts)})
                 data = json.dumps(answer).encode()
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.send_response(status)
+                    self.send_header("content-type", "application/json")
+                    self.send_header("content-length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the gateway gave up waiting (a slow-classifier test)
 
             def log_message(self, *args) -> None:
                 pass
