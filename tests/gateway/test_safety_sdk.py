@@ -223,3 +223,29 @@ def test_failing_classifier_honours_the_fail_mode(oai, claude, gateway, classifi
     with pytest.raises(anthropic.APIStatusError) as raised:
         claude.messages.create(model="script", messages=QUESTION, max_tokens=50, timeout=10)
     assert raised.value.status_code == 503
+
+
+@pytest.mark.parametrize("failure", ["slow", "down"])
+def test_classifier_failing_mid_answer_honours_the_fail_mode(oai, claude, gateway, classifier, failure):
+    """The prompt passes; the classifier fails on the window holding "sea": the stream ends, never hangs."""
+    classifier.trouble_words = {"sea"}
+    if failure == "slow":
+        classifier.delay_s = CLASSIFIER_TIMEOUT_S * 4
+    else:
+        classifier.fail_status = 500
+    gateway.fake.script = list(CLEAN)
+    stream = oai.chat.completions.create(model="script", messages=QUESTION, max_tokens=50, stream=True, timeout=10)
+    text, finish = "", None
+    for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    if gateway.fail_mode == "open":
+        assert (text, finish) == ("".join(CLEAN), "stop")
+        return
+    assert finish == "content_filter" and "sea" not in text
+    with pytest.raises(anthropic.APIStatusError) as raised:
+        with claude.messages.stream(model="script", messages=QUESTION, max_tokens=50, timeout=10) as stream:
+            for _ in stream.text_stream:
+                pass
+    assert raised.value.body["error"]["type"] == "api_error"  # the classifier could not answer: retryable

@@ -1,7 +1,7 @@
 """A moderation classifier for tests: real HTTP on loopback, the OpenAI moderation shape (`POST /v1/moderations`
 with `input`, answered `results[].flagged/categories`). It flags a text containing one of `flagged_words`
-(category "test-flag"); `delay_s` makes it slow and `fail_status` makes it fail; `inputs` records each call's
-inputs."""
+(category "test-flag"); `delay_s` makes it slow and `fail_status` makes it fail (only for calls with a text
+containing one of `trouble_words`, when that is set); `inputs` records each call's inputs."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ class ModerationServer:
         self.flagged_words: set[str] = set()
         self.delay_s = 0.0
         self.fail_status = 0
+        self.trouble_words: set[str] = set()
         self.inputs: list[list[str]] = []  # one list per call
         self._http = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._http.daemon_threads = True
@@ -37,6 +38,10 @@ class ModerationServer:
 
     def reset(self) -> None:
         self.flagged_words, self.delay_s, self.fail_status, self.inputs = set(), 0.0, 0, []
+        self.trouble_words = set()
+
+    def troubled(self, texts: list[str]) -> bool:
+        return not self.trouble_words or any(w in text.lower() for w in self.trouble_words for text in texts)
 
     def results(self, texts: list[str]) -> list[dict]:
         self.inputs.append(texts)
@@ -53,8 +58,9 @@ class ModerationServer:
             def do_POST(self) -> None:  # noqa: N802 - the http.server API
                 body = json.loads(self.rfile.read(int(self.headers["content-length"])))
                 texts = body["input"] if isinstance(body["input"], list) else [body["input"]]
-                time.sleep(server.delay_s)
-                status, answer = (server.fail_status, {"error": "failing on purpose"}) if server.fail_status \
+                troubled = server.troubled(texts)
+                time.sleep(server.delay_s if troubled else 0.0)
+                status, answer = (server.fail_status, {"error": "failing on purpose"}) if server.fail_status and troubled \
                     else (200, {"id": "modr-test", "model": "test", "results": server.results(texts)})
                 data = json.dumps(answer).encode()
                 try:
