@@ -19,6 +19,8 @@ from flotilla.tenancy.keys import KeyEntry, KeyStore, generate_key, hash_key, wr
 from flotilla.gateway.metrics import GatewayMetrics
 from flotilla.gateway.router_client import RouterClient
 from flotilla.gateway.settings import GatewaySettings
+from flotilla.usage.ledger import UsageLedger
+from flotilla.usage.sinks import FileSink
 
 from tests.support.waiting import wait_until
 
@@ -29,7 +31,9 @@ MAX_BODY_BYTES = 64 * 1024
 
 
 class InProcessGateway:
-    def __init__(self, checkpoint_path: Path, keys_dir: Path, safety_config: Path | None = None):
+    def __init__(self, checkpoint_path: Path, keys_dir: Path, safety_config: Path | None = None,
+                 usage_log: Path | None = None):
+        self.usage_log = usage_log  # the usage ledger's JSON-lines file; None: no ledger
         self.fake = FakeRouter(str(checkpoint_path))
         self.paid_key, self.free_key, self.batch_key = generate_key(), generate_key(), generate_key()
         self.keys_file = keys_dir / "keys.json"
@@ -77,7 +81,9 @@ class InProcessGateway:
         await grpc_server.start()
         self.settings = replace(self.settings, router_address=f"127.0.0.1:{router_port}")
         client = RouterClient(self.settings.router_address)
-        app = create_app(self.settings, client, KeyStore.from_file(self.keys_file), metrics=self.metrics)
+        ledger = UsageLedger(FileSink(self.usage_log)).start() if self.usage_log is not None else None
+        app = create_app(self.settings, client, KeyStore.from_file(self.keys_file), metrics=self.metrics,
+                         ledger=ledger)
         config = uvicorn.Config(app, lifespan="on", log_level="warning", timeout_graceful_shutdown=1)
         self._server = uvicorn.Server(config)
         try:
@@ -85,3 +91,5 @@ class InProcessGateway:
         finally:
             await client.close()
             await grpc_server.stop(0)
+            if ledger is not None:
+                await ledger.close()

@@ -13,7 +13,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from flotilla.usage.sinks import read_file
+
 from tests.support.moderation_server import CATEGORY, ModerationServer
+from tests.support.waiting import wait_until
 
 from .in_process_gateway import InProcessGateway
 
@@ -43,7 +46,8 @@ def classifier():
 def safe_gateway(request, checkpoint_dir, classifier, tmp_path_factory):
     keys_dir = tmp_path_factory.mktemp(f"safety-{request.param}")
     _config(keys_dir / "safety.json", classifier.url, request.param)
-    gw = InProcessGateway(checkpoint_dir, keys_dir, safety_config=keys_dir / "safety.json").start()
+    gw = InProcessGateway(checkpoint_dir, keys_dir, safety_config=keys_dir / "safety.json",
+                          usage_log=keys_dir / "usage.jsonl").start()
     gw.fail_mode = request.param
     yield gw
     gw.stop()
@@ -249,3 +253,31 @@ def test_classifier_failing_mid_answer_honours_the_fail_mode(oai, claude, gatewa
             for _ in stream.text_stream:
                 pass
     assert raised.value.body["error"]["type"] == "api_error"  # the classifier could not answer: retryable
+
+
+def _record(gateway, request_id: str):
+    def found():
+        return next((r for r in read_file(gateway.usage_log) if r.request_id == request_id), None)
+
+    return wait_until(found, 10, f"the usage record of {request_id}", interval_s=0.02)
+
+
+def test_ledger_bills_only_what_was_sent(oai, gateway):
+    raw = oai.chat.completions.with_raw_response.create(model="script", messages=QUESTION, max_tokens=50)
+    r = raw.parse()
+    record = _record(gateway, raw.headers["request-id"])
+    assert (record.status, record.error_code) == ("filtered", "weapons")
+    assert record.output_tokens == r.usage.completion_tokens == SCRIPT.index("bo") - 1 < len(SCRIPT)
+
+
+def test_tokens_held_back_when_the_client_leaves_are_not_billed(gateway):
+    """Model "hang" sends one short chunk, held back (shorter than the window), then waits: the client gives up."""
+    headers = {"authorization": f"Bearer {gateway.paid_key}"}
+    body = {"model": "hang", "messages": QUESTION, "max_tokens": 50, "stream": True}
+    num_cancelled = len(gateway.fake.cancelled)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gateway.base_url + "/v1/chat/completions", headers=headers, json=body, timeout=1.0)
+    assert gateway.fake.wait_until(lambda: len(gateway.fake.cancelled) > num_cancelled)
+    request_id = gateway.fake.cancelled[-1].request_id
+    record = _record(gateway, request_id)
+    assert (record.status, record.output_tokens) == ("cancelled", 0)  # its one token was relayed, never sent

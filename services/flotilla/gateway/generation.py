@@ -28,6 +28,7 @@ from flotilla.gateway.auth import Principal
 from flotilla.gateway.errors import ClientDisconnected, ErrorKind, GatewayError, error_from_grpc, error_from_router
 from flotilla.gateway.metrics import GatewayMetrics
 from flotilla.gateway.model_registry import ServedModel
+from flotilla.gateway.safety.filtered import Withheld
 from flotilla.gateway.telemetry import GatewayRequestTelemetry
 from flotilla.gateway.usage_meter import UsageLedgerTap
 from flotilla.observability.latency import StreamTimer
@@ -168,6 +169,7 @@ class RouterEvents:
         self._reading: AsyncIterator[StreamEvent] | None = None  # the call, until its last event was read
         self._metering: Metering | None = None
         self._ended = False
+        self.num_withheld_tokens = 0  # kept up to date by whoever holds tokens back (safety/stage.py)
 
     def __aiter__(self) -> RouterEvents:
         return self
@@ -240,6 +242,9 @@ class RouterEvents:
             if call is not None:
                 await call.aclose()  # cancels an unfinished call: the engine aborts the request
         finally:
+            if self.num_withheld_tokens:
+                for on_event in self._on_event:
+                    on_event(Withheld(self.num_withheld_tokens))
             for tap in self._taps:
                 tap.on_end(error)
 

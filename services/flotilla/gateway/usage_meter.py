@@ -18,7 +18,7 @@ from flotilla.api.common.v1 import common_pb2 as common
 from flotilla.engine.new_request import NewRequest
 from flotilla.engine.request import FinishReason
 from flotilla.gateway.errors import GatewayError
-from flotilla.gateway.safety.filtered import Filtered
+from flotilla.gateway.safety.filtered import Filtered, Withheld
 from flotilla.rpc.stream_events import Chunk, Error, Finished, StreamEvent
 from flotilla.usage.ledger import UsageLedger
 from flotilla.usage.record import STATUS_CANCELLED, STATUS_ERROR, STATUS_FILTERED, STATUS_OK, UsageRecord
@@ -46,6 +46,8 @@ class UsageLedgerTap:
             self._last = event
             aborted = event.reason is FinishReason.ABORT
             self._status, self._error_code = (STATUS_ERROR, "aborted") if aborted else (STATUS_OK, "")
+        elif type(event) is Withheld:
+            self._num_output_tokens -= event.num_tokens
         elif type(event) is Filtered:  # held-back chunks were relayed here but never sent: not billed
             self._num_output_tokens = event.usage.completion_tokens
             self._status, self._error_code = STATUS_FILTERED, event.verdict.category

@@ -1,4 +1,5 @@
-"""Filtered: how an answer blocked by the output screen ends, in place of the router's Finished event."""
+"""Filtered: how an answer blocked by the output screen ends, in place of the router's Finished event; Withheld:
+what the router stream's taps are told of tokens still held back when it ends otherwise."""
 
 from __future__ import annotations
 
@@ -20,6 +21,14 @@ class Filtered:
     def error(self) -> GatewayError:
         """For a dialect that ends a blocked stream with an error event (Anthropic)."""
         return blocked_error("the answer", self.verdict)
+
+
+@dataclass(frozen=True, slots=True)
+class Withheld:
+    """Told to every tap just before the end: tokens the router relayed that the client never got (held back by
+    the safety stage when the client went away or the router failed), so usage and quota do not bill them."""
+
+    num_tokens: int
 
 
 def blocked_error(what: str, verdict: Verdict) -> GatewayError:

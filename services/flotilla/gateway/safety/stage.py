@@ -5,7 +5,9 @@ ScreenedEvents sits between the router stream (generation.RouterEvents) and the 
 chunk's text to the output screen and passes on, whole, only the chunks the screen cleared (so token ids and
 logprobs stay with their text); the others wait. On a block the held chunks are dropped, the router stream
 ends on a Filtered event (every tap sees it: the ledger records `filtered`, quota keeps the delivered tokens)
-and its call is cancelled, so the engine aborts the request at once.
+and its call is cancelled, so the engine aborts the request at once. However else the stream ends (the client
+gone, a router error), the router stream's taps are told how many relayed tokens were still held (Withheld):
+they were never sent, so they are not billed.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ class ScreenedEvents:
             if type(event) is Chunk:
                 self._num_chars += len(event.text)
                 self._held.append((self._num_chars, event))
+                self._events.num_withheld_tokens += len(event.token_ids)
                 verdict = await self._screen.feed(event.text) if event.text else ALLOW
             else:
                 verdict = await self._screen.finish()
@@ -107,11 +110,13 @@ class ScreenedEvents:
         while held and held[0][0] <= cleared:
             chunk = held.popleft()[1]
             self.num_delivered_tokens += len(chunk.token_ids)
+            self._events.num_withheld_tokens -= len(chunk.token_ids)
             self._ready.append(chunk)
 
     async def _block(self, verdict: Verdict) -> Filtered:
         self._done = True
-        self._held.clear()  # held back: never sent
+        self._held.clear()  # held back: never sent (Filtered says what was)
+        self._events.num_withheld_tokens = 0
         self._on_block(verdict)
         filtered = Filtered(verdict, Usage(self._num_prompt_tokens, self.num_delivered_tokens, 0))
         await self._events.end_with(filtered)
