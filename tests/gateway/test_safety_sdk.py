@@ -172,6 +172,10 @@ def test_moderations_endpoint(oai, gateway, classifier):
     assert r.results[2].categories.model_extra[CATEGORY] is True
     assert len(classifier.inputs) == 1 and len(classifier.inputs[0]) == 3  # one batched call for three texts
     assert r.model == "strict"
+    classifier.fail_status = 500
+    with pytest.raises(openai.InternalServerError) as raised:
+        oai.moderations.create(input="anything")
+    assert raised.value.status_code == 503 and raised.value.code == "safety_unavailable"
 
 
 def test_classifier_flags_prompt_and_answer(oai, gateway, classifier):

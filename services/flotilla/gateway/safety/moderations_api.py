@@ -16,6 +16,7 @@ from flotilla.gateway.body import parse_body, read_body
 from flotilla.gateway.context import dialect_endpoint, gateway_context
 from flotilla.gateway.dialects import Dialect
 from flotilla.gateway.errors import ErrorKind, GatewayError
+from flotilla.gateway.safety.classifier import ClassifierUnavailable
 from flotilla.gateway.safety.stage import policy_for
 from flotilla.gateway.safety.verdict import Moderation
 from flotilla.gateway.schema_base import RequestModel
@@ -43,7 +44,11 @@ async def create_moderation(request: Request) -> Response:
     if policy is None:
         results = [Moderation(False, {}) for _ in params.texts]
     else:  # at once: a classifier gets them in one batch
-        results = await asyncio.gather(*(policy.moderate(text) for text in params.texts))
+        try:
+            results = await asyncio.gather(*(policy.moderate(text) for text in params.texts))
+        except ClassifierUnavailable as err:  # no fail mode here: the caller asked for the classifier's answer
+            raise GatewayError(ErrorKind.UNAVAILABLE, "the safety classifier is unavailable; retry later",
+                               code="safety_unavailable") from err
     return JSONResponse({"id": f"modr-{uuid.uuid4().hex}", "model": policy.name if policy else "none",
                          "results": [_result(result) for result in results]})
 
