@@ -87,6 +87,7 @@ class _Upstream:
     """Stands for RouterEvents: the chunks, then Finished."""
 
     def __init__(self, tokens: list[str]):
+        self.num_withheld_tokens = 0
         self._events = iter([Chunk((i,), text) for i, text in enumerate(tokens)]
                             + [Finished(FinishReason.LENGTH, Usage(1, len(tokens), 0))])
 
