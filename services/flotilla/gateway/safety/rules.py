@@ -70,7 +70,7 @@ class RulesPolicy:
 
     def screen_input(self, text: str) -> Verdict:
         match = self._pattern.search(text)
-        return ALLOW if match is None else self._verdict(match)
+        return ALLOW if match is None else self.verdict_of(match)
 
     def moderate(self, text: str) -> Moderation:
         categories = {c: pattern.search(text) is not None for c, pattern in self._by_category.items()}
@@ -82,7 +82,7 @@ class RulesPolicy:
     def search(self, text: str, pos: int):
         return self._pattern.search(text, pos)
 
-    def _verdict(self, match) -> Verdict:
+    def verdict_of(self, match) -> Verdict:
         category = next(c for group, c in self._group_categories if match.start(group) >= 0)
         return Verdict.block(category, f"matched a {category!r} rule")
 
@@ -113,7 +113,7 @@ class RulesScreen:
         cleared = end if final else end - self.window_chars
         if match is not None:
             if final or match.end() < len(tail):
-                return self._policy._verdict(match)
+                return self._policy.verdict_of(match)
             cleared = min(cleared, self._tail_start + match.start())  # what follows may undo it: wait
         self.cleared = max(self.cleared, cleared)
         # Keep the held-back text, a window of cleared text before it (a long match spanning both), and one
