@@ -151,13 +151,14 @@ def fleet_latency(args: argparse.Namespace, line: dict) -> None:
                     runs[key].append(run(key, specs))
     for key, summaries in runs.items():
         assert all(s["num_errors"] == 0 for s in summaries), [s["errors"] for s in summaries]
-        for metric in ("ttft_s", "itl_s"):
+        for metric in ("ttft_s", "itl_s", "tpot_s"):
             value = statistics.median(s["latency"][metric]["p50"] for s in summaries)
             line[f"{metric[:-2]}_p50_ms_{key}"] = round(value * 1e3, 2)
         line[f"output_tok_s_{key}"] = round(statistics.median(s["output_tok_s"] for s in summaries), 1)
     print(f"fleet, {args.num_prompts} streamed requests at concurrency {args.max_concurrency}, median of "
           f"{args.rounds} rounds: TTFT p50 {line['ttft_p50_ms_on']} ms on / {line['ttft_p50_ms_off']} ms off; "
           f"ITL p50 {line['itl_p50_ms_on']} ms on / {line['itl_p50_ms_off']} ms off; "
+          f"TPOT p50 {line['tpot_p50_ms_on']} ms on / {line['tpot_p50_ms_off']} ms off; "
           f"{line['output_tok_s_on']} / {line['output_tok_s_off']} output tok/s")
 
 
