@@ -74,16 +74,26 @@ ROLE = {
     },
     "additionalProperties": False,
 }
+# A model's own overrides of the chart-wide prefill/decode blocks: what may differ between two models' pools.
+# Its autoscaling block may name single keys (the rest come from the chart-wide block).
+POOL_OVERRIDE = {"type": "object", "additionalProperties": False, "properties": {
+    **{k: ROLE["properties"][k] for k in ("enabled", "replicas", "image", "resources", "podDisruptionBudget",
+                                          "extraEnv", "extraArgs")},
+    "autoscaling": {k: v for k, v in AUTOSCALING.items() if k != "required"}}}
+MODEL = {"type": "object", "required": ["name", "checkpoint"], "additionalProperties": False,
+         "properties": {"name": {"type": "string", "minLength": 1},
+                        "checkpoint": {"type": "string", "minLength": 1},
+                        "pool": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]{0,28}[a-z0-9])?$",
+                                 "description": "slug in the pool names (default: the name as a DNS label)"},
+                        "volume": {"type": "object"}, "mountPath": {"type": "string"},
+                        "prefill": POOL_OVERRIDE, "decode": POOL_OVERRIDE}}
 SCHEMA = {
     "$schema": "http://json-schema.org/draft-07/schema#",
     "type": "object",
-    "required": ["model", "gateway", "router", "prefill", "decode", "operator"],
+    "required": ["models", "gateway", "router", "prefill", "decode", "operator"],
     "additionalProperties": False,
     "properties": {
-        "model": {"type": "object", "required": ["name", "checkpoint"], "additionalProperties": False,
-                  "properties": {"name": {"type": "string", "minLength": 1},
-                                 "checkpoint": {"type": "string", "minLength": 1},
-                                 "volume": {"type": "object"}, "mountPath": {"type": "string"}}},
+        "models": {"type": "array", "minItems": 1, "items": MODEL},
         "imagePullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]},
         **{role: ROLE for role in ("gateway", "router", "prefill", "decode", "operator")},
         "ingress": {"type": "object", "additionalProperties": False, "properties": {
@@ -119,6 +129,8 @@ SCHEMA = {
                 "to": {"type": "array", "items": {"type": "object"}}, "port": PORT}}}},
         "grafana": {"type": "object", "additionalProperties": False, "properties": {
             "dashboard": {"type": "boolean"}, "sidecarLabel": {"type": "string", "minLength": 1}}},
+        "usageLedger": {"type": "object", "additionalProperties": False, "properties": {
+            "enabled": {"type": "boolean"}, "mountPath": PATH, "volume": {"type": "object"}}},
         "redis": {"type": "object", "additionalProperties": False, "properties": {
             "enabled": {"type": "boolean"}, "image": REDIS_IMAGE, "resources": RESOURCES,
             "maxmemory": {"type": "string", "pattern": "^[0-9]+(b|kb|mb|gb)?$"},

@@ -45,7 +45,7 @@ class Release:
     case: str
     kubelet: LocalKubelet
     pods: list[Pod]
-    model: str
+    models: list[str]  # every model the release serves; the first is the one most tests use
     api_key: str
 
     route: tuple[str, int | str]  # the Service and port the release's Ingress or HTTPRoute sends clients to
@@ -58,13 +58,17 @@ class Release:
 
 def _rendered(case: str, tmp: Path) -> list[dict]:
     """Default values need two things from any install: a model volume and API keys (a Secret the chart
-    writes from keys.keysJson). The disaggregated example names its volume and keeps keys in Redis."""
+    writes from keys.keysJson). The default case serves two models (the `models` list, each with its own
+    pool), the second from its own volume. The disaggregated example names its volume and keeps keys in Redis."""
     extra: list[str] = []
     if case == "default":
         keys_file = tmp / "keys.json"
         write_keys_file(keys_file, [KeyEntry("k1", hash_key(_KEYS[case]), "acme", "paid")])
-        extra = ["--set-json", 'model.volume={"persistentVolumeClaim": {"claimName": "flotilla-models"}}',
-                 "--set-file", f"keys.keysJson={keys_file}"]
+        models = [{"name": "flotilla-tiny", "checkpoint": "/models/flotilla-tiny",
+                   "volume": {"persistentVolumeClaim": {"claimName": "flotilla-models"}}},
+                  {"name": "Tiny.Chat/v2", "checkpoint": "/weights/chat",
+                   "volume": {"persistentVolumeClaim": {"claimName": "chat-weights"}}, "mountPath": "/weights"}]
+        extra = ["--set-json", f"models={json.dumps(models)}", "--set-file", f"keys.keysJson={keys_file}"]
     if case == "disaggregated-gpu":  # its RDMA device (mlx5_0:1) is not on this machine: TCP on loopback
         extra = ["--set", "kvTransfer.ucx.netDevices=lo", "--set", "kvTransfer.ucx.transports=tcp"]
     result = render(CASES[case], *extra)
@@ -88,7 +92,7 @@ def release(request, tmp_path_factory, tiny_checkpoint) -> Release:
     if any(d["kind"] == "StatefulSet" for d in docs) and not shutil.which("redis-server"):
         pytest.skip("redis-server not installed: `make redis-server`")
     pools = [doc for doc in docs if doc["kind"] == KIND]
-    model = pools[0]["spec"]["model"]["name"]
+    models = list(dict.fromkeys(pool["spec"]["model"]["name"] for pool in pools))
     # The model volume: a claim holding the checkpoint at spec.model.checkpoint below the mount path.
     claims = {}
     for pool in pools:
@@ -118,7 +122,7 @@ def release(request, tmp_path_factory, tiny_checkpoint) -> Release:
             kubelet.wait_ready(pod, READY_TIMEOUT_S)
             if _component(pod) == "redis":
                 api_key = _create_redis_key(kubelet, redis_password)
-        yield Release(case, kubelet, pods, model, api_key, _route(docs))
+        yield Release(case, kubelet, pods, models, api_key, _route(docs))
     finally:
         kubelet.stop_all()
 
@@ -143,7 +147,7 @@ def _create_redis_key(kubelet: LocalKubelet, password: str) -> str:
 
 def test_every_rendered_workload_runs_and_its_probes_pass(release):
     components = sorted(_component(p) for p in release.pods)
-    expected = {"default": ["both", "gateway", "router"],
+    expected = {"default": ["both", "both", "gateway", "router"],
                 "disaggregated-gpu": ["decode", "gateway", "prefill", "redis", "router"]}[release.case]
     assert components == expected
     for pod in release.pods:
@@ -157,12 +161,22 @@ def test_every_rendered_workload_runs_and_its_probes_pass(release):
 def test_models_are_listed(release):
     response = httpx.get(f"{release.gateway_url}/v1/models", headers={"authorization": f"Bearer {release.api_key}"})
     assert response.status_code == 200, response.text
-    assert release.model in [m["id"] for m in response.json()["data"]]
+    assert set(release.models) <= {m["id"] for m in response.json()["data"]}
+
+
+def test_every_model_is_served_by_its_own_pool(release):
+    """Each entry of `models` gets its own pool: a request for either model is answered (by that pool's worker;
+    the router places a model's requests only on workers that registered it)."""
+    client = openai.OpenAI(base_url=f"{release.gateway_url}/v1", api_key=release.api_key, max_retries=0)
+    for model in release.models:
+        answer = client.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0,
+                                           extra_body={"ignore_eos": True})
+        assert answer.model == model and answer.usage.completion_tokens == 2
 
 
 def test_openai_sdk_streamed_and_not(release):
     client = openai.OpenAI(base_url=f"{release.gateway_url}/v1", api_key=release.api_key, max_retries=0)
-    kwargs = dict(model=release.model, max_tokens=8, temperature=0, extra_body={"ignore_eos": True},
+    kwargs = dict(model=release.models[0], max_tokens=8, temperature=0, extra_body={"ignore_eos": True},
                   messages=[{"role": "user", "content": PROMPT}])
     answer = client.chat.completions.create(**kwargs)
     assert answer.usage.completion_tokens == 8 and answer.choices[0].finish_reason == "length"
@@ -172,14 +186,14 @@ def test_openai_sdk_streamed_and_not(release):
         streamed += "".join(choice.delta.content or "" for choice in chunk.choices)
     assert streamed == answer.choices[0].message.content  # greedy: the same text either way
     assert usage.completion_tokens == 8
-    completion = client.completions.create(model=release.model, prompt=PROMPT, max_tokens=4, temperature=0,
+    completion = client.completions.create(model=release.models[0], prompt=PROMPT, max_tokens=4, temperature=0,
                                            extra_body={"ignore_eos": True})
     assert completion.usage.completion_tokens == 4
 
 
 def test_anthropic_sdk_streamed_and_not(release):
     client = anthropic.Anthropic(base_url=release.gateway_url, api_key=release.api_key, max_retries=0)
-    kwargs = dict(model=release.model, max_tokens=8, extra_body={"temperature": 0},
+    kwargs = dict(model=release.models[0], max_tokens=8, extra_body={"temperature": 0},
                   messages=[{"role": "user", "content": f"{PROMPT} (anthropic)"}])
     message = client.messages.create(**kwargs)
     assert message.stop_reason in ("max_tokens", "end_turn") and 0 < message.usage.output_tokens <= 8
@@ -201,3 +215,21 @@ def test_disaggregated_requests_move_kv_from_the_prefill_pod(release):
                                         if f.name == "flotilla_kv_transfer_bytes" for s in f.samples
                                         if s.name.endswith("_total"))
     assert sent["prefill"] > 0 and sent["decode"] == sent["prefill"], sent
+
+
+def test_requests_are_billed_in_the_usage_ledger(release):
+    """Default values have no Redis: each gateway pod bills into <usageLedger.mountPath>/<pod>.jsonl on its
+    volume. (The disaggregated example bills into Redis's stream; tests/usage covers that sink.)"""
+    if release.case != "default":
+        pytest.skip("the ledger is Redis's stream")
+    from flotilla.usage.sinks import read_file
+    from flotilla.usage.summary import unique
+
+    client = openai.OpenAI(base_url=f"{release.gateway_url}/v1", api_key=release.api_key, max_retries=0)
+    client.completions.create(model=release.models[0], prompt=PROMPT, max_tokens=3, temperature=0,
+                              extra_body={"ignore_eos": True})
+    gateways = [pod for pod in release.pods if _component(pod) == "gateway"]
+    files = [path for pod in gateways for path in (pod.root / "volumes" / "usage").glob("*.jsonl")]
+    assert {path.stem for path in files} <= {pod.name for pod in gateways} and files
+    records = unique(record for path in files for record in read_file(path))
+    assert records and {r.tenant for r in records} == {"acme"} and any(r.output_tokens == 3 for r in records)

@@ -84,7 +84,7 @@ def test_extra_images_and_host_path_only_from_values(monkeypatch):
     docs = rendered_case("default", "--set", "operator.podPolicy.extraImages={registry.internal:5000/ml/flotilla}")
     policy = _policy(docs, monkeypatch)
     assert policy.allowed_images == ("ghcr.io/flotilla/flotilla", "registry.internal:5000/ml/flotilla")
-    result = render(None, "--set-json", 'model.volume={"hostPath": {"path": "/srv/models"}}')
+    result = render(None, "--set-json", 'models=[{"name": "m", "checkpoint": "/srv/models/m", "volume": {"hostPath": {"path": "/srv/models"}}}]')
     assert result.returncode != 0 and "operator.podPolicy.allowHostPath" in result.stderr
     result = render(None, "--set", "operator.podPolicy.extraImages={ghcr.io/x/y:1.0}")
     assert result.returncode != 0 and "schema" in result.stderr  # a repository, not an image with its tag

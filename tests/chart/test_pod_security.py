@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from flotilla.operator.pool_spec import KIND
 from tests.chart.rendering import CASES, needs_helm, rendered_case, workloads
 
 pytestmark = needs_helm
@@ -32,8 +33,12 @@ def case(request) -> str:
 
 def test_every_case_renders_the_expected_pods(case):
     names = {name for name, _ in pods(case)}
-    for component in ("gateway", "router", "operator", "decode-workers"):
+    for component in ("gateway", "router", "operator"):
         assert f"Deployment/flotilla-{component}" in names, names
+    # one decode pool per served model (pools are named <release>-<model slug>-<role>)
+    workers = {n for n in names if n.endswith("-decode-workers")}
+    assert len(workers) == len({doc["spec"]["model"]["name"] for doc in rendered_case(case) if doc["kind"] == KIND})
+    assert len(workers) >= 1, names
 
 
 def test_pods_run_as_non_root_with_the_default_seccomp_profile(case):

@@ -20,7 +20,6 @@ from flotilla.gateway.metrics import GatewayMetrics
 from flotilla.gateway.router_client import RouterClient
 from flotilla.gateway.settings import GatewaySettings
 from flotilla.usage.ledger import UsageLedger
-from flotilla.usage.sinks import FileSink
 
 from tests.support.waiting import wait_until
 
@@ -31,10 +30,9 @@ MAX_BODY_BYTES = 64 * 1024
 
 
 class InProcessGateway:
-    def __init__(self, checkpoint_path: Path, keys_dir: Path, safety_config: Path | None = None,
-                 usage_log: Path | None = None):
-        self.usage_log = usage_log  # the usage ledger's JSON-lines file; None: no ledger
+    def __init__(self, checkpoint_path: Path, keys_dir: Path, ledger_sink=None, safety_config: Path | None = None):
         self.fake = FakeRouter(str(checkpoint_path))
+        self.ledger_sink = ledger_sink  # a usage_sinks.UsageSink: the app gets a UsageLedger writing to it
         self.paid_key, self.free_key, self.batch_key = generate_key(), generate_key(), generate_key()
         self.keys_file = keys_dir / "keys.json"
         write_keys_file(self.keys_file, [KeyEntry("k-paid", hash_key(self.paid_key), "acme", "paid"),
@@ -81,7 +79,7 @@ class InProcessGateway:
         await grpc_server.start()
         self.settings = replace(self.settings, router_address=f"127.0.0.1:{router_port}")
         client = RouterClient(self.settings.router_address)
-        ledger = UsageLedger(FileSink(self.usage_log)).start() if self.usage_log is not None else None
+        ledger = UsageLedger(self.ledger_sink).start() if self.ledger_sink is not None else None
         app = create_app(self.settings, client, KeyStore.from_file(self.keys_file), metrics=self.metrics,
                          ledger=ledger)
         config = uvicorn.Config(app, lifespan="on", log_level="warning", timeout_graceful_shutdown=1)
@@ -89,7 +87,7 @@ class InProcessGateway:
         try:
             await self._server.serve(sockets=[self._sock])
         finally:
-            await client.close()
-            await grpc_server.stop(0)
             if ledger is not None:
                 await ledger.close()
+            await client.close()
+            await grpc_server.stop(0)

@@ -62,11 +62,22 @@ class ScriptedBackend:
 
 
 class Ledger:
+    """UsageLedger's surface: final records (queued or settled) apart from the checkpoints (status open)."""
+
+    checkpoint_interval_s = 3600.0
+
     def __init__(self) -> None:
         self.records: list[UsageRecord] = []
+        self.checkpoints: list[UsageRecord] = []
+        self.num_settled = 0
 
     def record(self, record: UsageRecord) -> None:
-        self.records.append(record)
+        (self.checkpoints if record.status == "open" else self.records).append(record)
+
+    async def settle(self, record: UsageRecord) -> bool:
+        self.num_settled += 1
+        self.record(record)
+        return True
 
 
 class Gatekeeper:
@@ -109,6 +120,9 @@ async def test_a_finished_stream_reaches_every_tap_once():
     (record,) = ledger.records
     assert (record.status, record.output_tokens, record.input_tokens, record.cached_input_tokens) == ("ok", 3, 4, 1)
     assert (record.model, record.attempts, record.tenant, record.key_id) == ("tiny@v1", 2, "acme", "k1")
+    assert ledger.num_settled == 1  # written before the Finished event reached the handler
+    (opened,) = ledger.checkpoints  # at admission; not streamed: no checkpoint bills output
+    assert (opened.status, opened.output_tokens, opened.request_id) == ("open", 0, record.request_id)
 
 
 async def test_usage_the_router_left_out_is_counted_here():

@@ -13,7 +13,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from flotilla.usage.sinks import read_file
+from flotilla.usage.sinks import FileSink, read_file
 
 from tests.support.moderation_server import CATEGORY, ModerationServer
 from tests.support.waiting import wait_until
@@ -46,8 +46,9 @@ def classifier():
 def safe_gateway(request, checkpoint_dir, classifier, tmp_path_factory):
     keys_dir = tmp_path_factory.mktemp(f"safety-{request.param}")
     _config(keys_dir / "safety.json", classifier.url, request.param)
-    gw = InProcessGateway(checkpoint_dir, keys_dir, safety_config=keys_dir / "safety.json",
-                          usage_log=keys_dir / "usage.jsonl").start()
+    gw = InProcessGateway(checkpoint_dir, keys_dir, ledger_sink=FileSink(keys_dir / "usage.jsonl"),
+                          safety_config=keys_dir / "safety.json").start()
+    gw.usage_log = keys_dir / "usage.jsonl"
     gw.fail_mode = request.param
     yield gw
     gw.stop()
@@ -260,8 +261,10 @@ def test_classifier_failing_mid_answer_honours_the_fail_mode(oai, claude, gatewa
 
 
 def _record(gateway, request_id: str):
+    """The request's final usage record (after its checkpoint records, status open)."""
     def found():
-        return next((r for r in read_file(gateway.usage_log) if r.request_id == request_id), None)
+        return next((r for r in read_file(gateway.usage_log) if r.request_id == request_id and r.status != "open"),
+                    None)
 
     return wait_until(found, 10, f"the usage record of {request_id}", interval_s=0.02)
 

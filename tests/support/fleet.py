@@ -137,13 +137,15 @@ class Fleet:
         return metric_samples(self.fleet.metrics_targets()[service])
 
     def ledger(self) -> list[UsageRecord]:
-        """The usage records in the fleet's Redis."""
+        """The final usage records in the fleet's Redis (not the checkpoints of running requests; duplicates of a
+        request's final record would show here: summary.unique is what bills once)."""
         import redis
 
+        from flotilla.usage.record import STATUS_OPEN
         from flotilla.usage.sinks import read_redis
 
         with redis.Redis.from_url(self.redis.url) as client:
-            return list(read_redis(client))
+            return [record for record in read_redis(client) if record.status != STATUS_OPEN]
 
     def wait_ledger(self, count: int, timeout_s: float = 30.0) -> list[UsageRecord]:
         wait_until(lambda: len(self.ledger()) >= count, timeout_s, f"{count} usage records", interval_s=0.05)

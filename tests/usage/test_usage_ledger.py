@@ -78,3 +78,43 @@ def test_flotilla_usage_sums_per_tenant_and_time_range(tmp_path):
     table = subprocess.run([sys.executable, "-m", "flotilla.cli", "usage", "--file", str(path), "--tenant", "t1"],
                            capture_output=True, text=True, check=True).stdout
     assert table.splitlines()[1].split() == ["t1", "3", "2", "30", "12", "14"]
+
+
+def test_checkpoints_bill_a_request_once_and_a_final_record_supersedes_them():
+    from flotilla.usage.summary import unique
+
+    records = [_record("a", "t", 0, 10.0, status="open"), _record("a", "t", 4, 11.0, status="open"),
+               _record("a", "t", 9, 12.0), _record("a", "t", 6, 11.5, status="open"),  # queued late: still final
+               _record("b", "t", 0, 10.0, status="open"), _record("b", "t", 3, 11.0, status="open"),
+               _record("b", "t", 2, 10.5, status="open"),  # gateway died: the most delivered
+               _record("c", "t", 0, 10.0, status="open")]  # died before delivering anything: not billed
+    settled = {r.request_id: r for r in unique(records)}
+    assert len(unique(records)) == 2
+    assert (settled["a"].status, settled["a"].output_tokens) == ("ok", 9)
+    assert (settled["b"].status, settled["b"].output_tokens, settled["b"].finished_at) == ("interrupted", 3, 11.0)
+
+
+async def test_settle_writes_at_once_and_queues_when_the_sink_fails():
+    sink = _FlakySink(failures=1)
+    ledger = UsageLedger(sink, retry_s=0.01).start()
+    assert not await ledger.settle(_record("a", "t", 1, 10.0))  # failed: queued, retried in the background
+    assert await ledger.settle(_record("b", "t", 1, 10.0))
+    assert "b" in [r.request_id for r in sink.written]  # written before settle returned
+    assert await ledger.flush(5.0)
+    await ledger.close()
+    assert sorted(r.request_id for r in sink.written) == ["a", "b"]
+
+
+@pytest.mark.integration  # `flotilla usage` as a command
+def test_a_request_checkpointed_in_one_range_and_finished_in_the_next_is_billed_in_the_later_one(tmp_path):
+    path = tmp_path / "usage.jsonl"
+    asyncio.run(FileSink(path).append([_record("a", "t1", 3, 1000.0, status="open"), _record("a", "t1", 8, 3000.0),
+                                       _record("b", "t1", 2, 1500.0, status="open")]))
+
+    def output_tokens(since: str, until: str) -> int:
+        out = subprocess.run([sys.executable, "-m", "flotilla.cli", "usage", "--file", str(path), "--since", since,
+                              "--until", until, "--json"], capture_output=True, text=True, check=True).stdout
+        return sum(json.loads(line)["output_tokens"] for line in out.splitlines())
+
+    assert output_tokens("500", "2000") == 2  # b (interrupted); not a's checkpoint
+    assert output_tokens("2000", "4000") == 8  # a, by its final record

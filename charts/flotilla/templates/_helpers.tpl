@@ -64,3 +64,29 @@ securityContext:
 - {name: tmp, emptyDir: {}}
 - {name: cache, emptyDir: {}}
 {{- end -}}
+
+{{/* Every worker pool the release runs, as YAML `{pools: [...]}` (read back with fromYaml): for each entry of
+.Values.models, a decode pool and, when that model's prefill block is enabled, a prefill pool. A model's own
+`prefill`/`decode` keys override the chart-wide blocks of the same name (deep merge; lists are replaced). Pool
+names are <release>-<model slug>-<role>; the slug is the model's `pool` key, else its name made a DNS label. */}}
+{{- define "flotilla.pools" -}}
+{{- $pools := list }}
+{{- $slugs := dict }}
+{{- range $model := .Values.models }}
+{{- $slug := $model.pool | default (regexReplaceAll "[^a-z0-9-]+" (lower $model.name) "-" | trunc 30 | trimAll "-") }}
+{{- if hasKey $slugs $slug }}{{ fail (printf "models: %q and %q share the pool name %q: give one a `pool` key" (get $slugs $slug) $model.name $slug) }}{{ end }}
+{{- $_ := set $slugs $slug $model.name }}
+{{- $prefill := mergeOverwrite (deepCopy $.Values.prefill) (deepCopy ($model.prefill | default dict)) }}
+{{- $decode := mergeOverwrite (deepCopy $.Values.decode) (deepCopy ($model.decode | default dict)) }}
+{{- range $role, $block := dict "prefill" $prefill "decode" $decode }}
+{{- if $block.enabled }}
+{{- $name := printf "%s-%s-%s" (include "flotilla.name" $) $slug $role }}
+{{- /* the operator names the pool's Deployment and Service <pool>-workers: a DNS label, at most 63 */}}
+{{- if gt (len $name) 55 }}{{ fail (printf "pool name %q is longer than 55 characters: shorten the release name or give model %q a shorter `pool` key" $name $model.name) }}{{ end }}
+{{- $pools = append $pools (dict "name" $name "slug" $slug "role" $role
+      "disaggregated" $prefill.enabled "model" $model "block" $block) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- toYaml (dict "pools" $pools) }}
+{{- end -}}

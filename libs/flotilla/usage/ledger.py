@@ -1,4 +1,5 @@
-"""UsageLedger: record() is O(1) and never waits; a background task writes batches to the sink.
+"""UsageLedger: record() is O(1) and never waits; a background task writes batches to the sink. settle() writes
+one record at once and returns when the sink has it (a request's final record, before its last byte is sent).
 
 A write that fails (Redis down) is retried with backoff; records wait in memory meanwhile, bounded (the
 oldest are dropped beyond `max_pending`, and counted). close() writes what is left, within a timeout.
@@ -18,8 +19,13 @@ log = logging.getLogger(__name__)
 
 class UsageLedger:
     def __init__(self, sink: UsageSink, max_batch: int = 256, max_pending: int = 100_000,
-                 retry_s: float = 0.5, max_retry_s: float = 10.0):
+                 retry_s: float = 0.5, max_retry_s: float = 10.0, checkpoint_interval_s: float = 1.0,
+                 settle_timeout_s: float = 1.0):
         self.sink = sink
+        # A running stream leaves a checkpoint record this often (usage_meter.py): what a gateway that dies
+        # mid-stream fails to bill is at most this much of its delivered output.
+        self.checkpoint_interval_s = checkpoint_interval_s
+        self.settle_timeout_s = settle_timeout_s
         self._max_batch = max_batch
         self._max_pending = max_pending
         self._retry_s = retry_s
@@ -41,6 +47,20 @@ class UsageLedger:
             log.error("usage ledger backlog full: dropped the oldest record")
         self._pending.append(record)
         self._wakeup.set()
+
+    async def settle(self, record: UsageRecord) -> bool:
+        """Write `record` now and return once the sink holds it (FileSink: fsynced; Redis: as durable as its
+        append-only file), so a response is billed before its last byte leaves. A failing or slow sink (past
+        `settle_timeout_s`) does not hold the response: the record joins the queue instead (False). Should the
+        timed-out write land after all, summary.unique bills the request once."""
+        try:
+            await asyncio.wait_for(self.sink.append([record]), self.settle_timeout_s)
+        except Exception as err:  # noqa: BLE001 - any sink failure or the timeout: the queue retries it
+            log.warning("usage record %s not settled at once (%s): queued", record.request_id, err or "timeout")
+            self.record(record)
+            return False
+        self.num_written += 1
+        return True
 
     async def _write_forever(self) -> None:
         delay = self._retry_s

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from flotilla.usage.record import STATUS_OK, UsageRecord
+from flotilla.usage.record import STATUS_INTERRUPTED, STATUS_OK, STATUS_OPEN, UsageRecord
 
 
 @dataclass
@@ -26,11 +26,19 @@ class TenantUsage:
 
 
 def unique(records: Iterable[UsageRecord]) -> list[UsageRecord]:
-    """First record per request id: a sink write retried after a lost reply must not bill twice."""
-    seen: dict[str, UsageRecord] = {}
+    """One record per request id: its first final record (a sink write retried after a lost reply must not bill
+    twice), else, for a request whose gateway died mid-stream, its checkpoint with the most delivered tokens, as
+    status `interrupted`; one that had delivered nothing (its admission record only) bills nothing."""
+    final: dict[str, UsageRecord] = {}
+    checkpoints: dict[str, UsageRecord] = {}
     for record in records:
-        seen.setdefault(record.request_id, record)
-    return list(seen.values())
+        if record.status != STATUS_OPEN:
+            final.setdefault(record.request_id, record)
+        elif record.output_tokens >= getattr(checkpoints.get(record.request_id), "output_tokens", -1):
+            checkpoints[record.request_id] = record
+    interrupted = [replace(r, status=STATUS_INTERRUPTED) for i, r in checkpoints.items()
+                   if i not in final and r.output_tokens > 0]
+    return [*final.values(), *interrupted]
 
 
 def per_tenant(records: Iterable[UsageRecord], tenant: str | None = None) -> list[TenantUsage]:

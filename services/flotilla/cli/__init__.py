@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from flotilla.fleet.lifeline import exit_with_launcher
+
+    exit_with_launcher()  # a service started by `flotilla up` (or a test's fleet) goes when its launcher does
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

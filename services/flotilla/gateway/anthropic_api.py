@@ -50,7 +50,8 @@ async def create_message(request: Request) -> Response:
                            request_id(request), len(prompt_ids), params.max_tokens)
     job = Job.create(request_id(request), model, principal, prompt_ids, sampling, arrival_time(request),
                      admitted.ticket)
-    events = screened(router_events(ctx, job, requested, admitted), policy, ctx.metrics, job.num_prompt_tokens)
+    events = screened(router_events(ctx, job, requested, admitted, streamed=bool(params.stream)), policy, ctx.metrics,
+                      job.num_prompt_tokens)
     message_id = "msg_" + job.request_id.removeprefix("req_")
     if params.stream:
         first = await first_event(request, events)

@@ -33,7 +33,7 @@ class FaultTolerance:
             FileSink(settings.usage_log) if settings.usage_log else None)
         if sink is None:
             log.warning("no Redis and no --usage-log: the usage ledger is off")
-        return cls(settings, redis, UsageLedger(sink).start() if sink is not None else None)
+        return cls(settings, redis, UsageLedger(sink, checkpoint_interval_s=settings.usage_checkpoint_s).start() if sink is not None else None)
 
     def install(self, app: FastAPI) -> None:
         """Outermost middlewares (added after create_app's own): resumable streams, then idempotency."""

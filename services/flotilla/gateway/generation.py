@@ -149,8 +149,10 @@ class Metering:
         return self.metrics.tokens.labels(self.job.model.name, self.job.principal.tier, kind)
 
 
-def router_events(ctx: GatewayContext, job: Job, requested_model: str, admitted: Admitted) -> RouterEvents:
-    return RouterEvents(ctx, job, requested_model, admitted.settlement())
+def router_events(ctx: GatewayContext, job: Job, requested_model: str, admitted: Admitted,
+                  streamed: bool = False) -> RouterEvents:
+    """streamed: the handler sends tokens as they come (what a usage checkpoint may bill: usage_meter.py)."""
+    return RouterEvents(ctx, job, requested_model, admitted.settlement(), streamed)
 
 
 class RouterEvents:
@@ -159,8 +161,10 @@ class RouterEvents:
     Finished event, or when it is closed (read or not): then every tap ends, exactly once, and an unfinished
     call is cancelled."""
 
-    def __init__(self, ctx: GatewayContext, job: Job, requested_model: str, settlement: StreamTap | None):
+    def __init__(self, ctx: GatewayContext, job: Job, requested_model: str, settlement: StreamTap | None,
+                 streamed: bool = False):
         self._ctx = ctx
+        self._streamed = streamed
         self._job = job
         self._requested_model = requested_model
         self._taps: list[StreamTap] = [settlement] if settlement is not None else []
@@ -168,6 +172,7 @@ class RouterEvents:
         self._call: AsyncIterator[StreamEvent] | None = None  # the router call, once started
         self._reading: AsyncIterator[StreamEvent] | None = None  # the call, until its last event was read
         self._metering: Metering | None = None
+        self._ledger_tap: UsageLedgerTap | None = None
         self._ended = False
         self.num_withheld_tokens = 0  # kept up to date by whoever holds tokens back (safety/stage.py)
 
@@ -199,6 +204,8 @@ class RouterEvents:
                 raise await self._fail(GatewayError(ErrorKind.UNAVAILABLE,
                                                     "the generation was aborted by the fleet; retry", code="aborted"))
             self._reading = None
+            if self._ledger_tap is not None:
+                await self._ledger_tap.settle()  # billed before the handler sends its last byte
             return self._with_usage(event)
         raise await self._fail(error_from_router(event, self._job.request_id))
 
@@ -221,8 +228,9 @@ class RouterEvents:
                                             metering.timer, job.num_prompt_tokens)
         self._taps = [metering, telemetry, *self._taps]  # the meter's timer ends before telemetry reads it
         if ctx.ledger is not None:
-            self._taps.append(UsageLedgerTap(ctx.ledger, job.request, requested_model=self._requested_model,
-                                             key_id=principal.key_id))
+            self._ledger_tap = UsageLedgerTap(ctx.ledger, job.request, requested_model=self._requested_model,
+                                              key_id=principal.key_id, streamed=self._streamed)
+            self._taps.append(self._ledger_tap)
         self._on_event = tuple(tap.on_event for tap in self._taps)
         call = ctx.backend.generate(job.to_proto(self._requested_model), telemetry.outgoing_metadata())
         self._call = self._reading = call

@@ -90,6 +90,11 @@ class ModelRegistry:
 
     async def resolve(self, name: str) -> ServedModel:
         model = self._by_name.get(name)
+        if model is None and self._lock.locked():
+            # A refresh is under way (the first, right after a start or restart): answer from its list, not
+            # with a 404 from the empty one it is about to replace.
+            async with self._lock:
+                model = self._by_name.get(name)
         if model is None and time.monotonic() - self._last_attempt >= self._min_refresh_gap_s:
             await self.refresh()
             model = self._by_name.get(name)

@@ -148,8 +148,8 @@ async def _generate(request: Request, ctx: GatewayContext, plan: Plan) -> Respon
                            request_id(request), len(plan.prompt_ids), sampling.max_tokens)
     job = Job.create(request_id(request), plan.model, plan.principal, plan.prompt_ids, sampling,
                      arrival_time(request), admitted.ticket)
-    events = screened(router_events(ctx, job, plan.requested_model, admitted), policy, ctx.metrics,
-                      job.num_prompt_tokens)
+    events = screened(router_events(ctx, job, plan.requested_model, admitted, streamed=bool(params.stream)), policy,
+                      ctx.metrics, job.num_prompt_tokens)
     head = _Head(plan.endpoint.id_prefix + job.request_id.removeprefix("req_"), int(time.time()), plan.model.name)
     if params.stream:
         first = await first_event(request, events)

@@ -31,6 +31,7 @@ class GatewaySettings:
     # without Redis); Idempotency-Key responses are kept this long; a resumable stream waits this long for
     # its client to reconnect.
     usage_log: Path | None = None
+    usage_checkpoint_s: float = 1.0  # a running stream's ledger checkpoint period (usage_meter.py)
     idempotency_ttl_s: float = 24 * 3600.0
     stream_resume_grace_s: float = 30.0
     tool_call_parser: str = "auto"  # how models write tool calls: "auto" (from each chat template) or a syntax name

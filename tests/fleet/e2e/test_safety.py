@@ -92,9 +92,14 @@ def _stream_chat(client: openai.OpenAI, model: str, max_tokens: int) -> tuple[li
 
 
 def _ledger(fleet, count: int):
+    """The final usage records (not the checkpoints, status open), once there are `count`."""
     path = fleet.state_dir / "usage.jsonl"
-    wait_until(lambda: len(list(read_file(path))) >= count, 30, f"{count} usage records", interval_s=0.05)
-    return list(read_file(path))
+
+    def final():
+        return [r for r in read_file(path) if r.status != "open"]
+
+    wait_until(lambda: len(final()) >= count, 30, f"{count} usage records", interval_s=0.05)
+    return final()
 
 
 def test_unscreened_key_gets_the_whole_answer_with_the_term_split_across_events(safety_fleet, answer):
