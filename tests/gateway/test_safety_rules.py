@@ -100,3 +100,29 @@ def test_catastrophic_backtracking_pattern_runs_in_linear_time():
     screen = policy.output_screen()
     cleared, verdict = _stream(screen, ["a" * 97 + "!"] * 200)
     assert verdict is None
+
+
+def test_ascii_terms_alone_hold_back_only_what_could_start_a_term():
+    policy = RulesPolicy([Rule("weapons", ("Bomb Recipe", "nerve gas"), ())], window_chars=32)
+    screen = policy.output_screen()
+
+    async def feed(delta):
+        verdict = await screen.feed(delta)
+        return verdict.allowed, screen.cleared
+
+    async def run():
+        return [await feed(d) for d in ["hello there, ", "the bo", "mb re", "cipe", " now"]]
+
+    steps = asyncio.run(run())
+    assert steps[0] == (True, len("hello there, "))  # nothing that could start a term: sent at once
+    assert steps[1] == (True, len("hello there, the "))  # "bo" may start "bomb recipe"
+    assert steps[2] == steps[3] == (True, len("hello there, the "))  # a match at the very end waits one delta
+    assert steps[4][0] is False
+
+
+def test_a_non_ascii_end_falls_back_to_the_window():
+    # RE2 folds the Kelvin sign onto "k" (and the long s onto "s"): such an end is not judged by its prefix.
+    policy = RulesPolicy([Rule("c", ("kill switch",), ())], window_chars=16)
+    assert policy.hold("text ending in \u212a") == 16 and policy.hold("text ending in k") == 1
+    cleared, verdict = _stream(policy.output_screen(), ["say \u212aill", " switch"], window_bound=False)
+    assert verdict is not None and "\u212a" not in cleared

@@ -7,7 +7,8 @@ is loaded, naming the rule.
 
 The output screen scans a bounded tail of the answer on each delta: the held-back window plus as much again
 of cleared text before it, so a term split across tokens or SSE events is seen whole, and \\b sees the
-character before the tail.
+character before the tail. It holds back the window, except for a policy of ASCII terms only: then only the end
+of the answer that could still be the start of a term waits (most deltas wait not at all).
 """
 
 from __future__ import annotations
@@ -61,6 +62,23 @@ class RulesPolicy:
         groups = self._pattern.groupindex  # the group number of each rule (a rule's own groups come between)
         self._group_categories = [(groups[f"c{i}"], rule.category) for i, rule in enumerate(rules)]
         self._by_category = {c: _compile([_alternation(r) for r in rules if r.category == c]) for c in self.categories}
+        # Literal ASCII terms only: an answer need hold back no more than its end that could still begin a term.
+        terms = [t.lower() for rule in rules for t in rule.terms]
+        only_ascii_terms = not any(rule.patterns for rule in rules) and all(t.isascii() for t in terms)
+        self._term_prefixes = {t[:k] for t in terms for k in range(1, len(t))} if only_ascii_terms else None
+        self._longest_prefix = longest_term - 1
+
+    def hold(self, text: str) -> int:
+        """How many characters at the end of `text` must wait: the window, or with only ASCII terms the longest
+        end that is the start of a term (the window when that end is not ASCII: RE2 folds a few other
+        characters, the Kelvin sign, the long s, onto ASCII letters)."""
+        if self._term_prefixes is None:
+            return self.window_chars
+        end = text[-self._longest_prefix:] if self._longest_prefix > 0 else ""
+        if not end.isascii():
+            return self.window_chars
+        end = end.lower()
+        return next((k for k in range(len(end), 0, -1) if end[-k:] in self._term_prefixes), 0)
 
     @classmethod
     def from_json(cls, rules: object, window_chars: int, where: str) -> RulesPolicy:
@@ -110,7 +128,7 @@ class RulesScreen:
         end = self._tail_start + len(tail)
         context = 1 if self._tail_start > 0 else 0  # a character before the scan, for \b, never matched itself
         match = self._policy.search(tail, context)
-        cleared = end if final else end - self.window_chars
+        cleared = end if final else end - self._policy.hold(tail)
         if match is not None:
             if final or match.end() < len(tail):
                 return self._policy.verdict_of(match)
