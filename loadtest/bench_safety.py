@@ -48,7 +48,7 @@ SYLLABLES = ["the", " sea", "ing", " of", " light", "house", " a", "nd", " wave"
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--terms", type=int, default=50)
-    p.add_argument("--patterns", type=int, default=10)
+    p.add_argument("--patterns", type=int, default=10, help="0: terms alone (the screen's prefix hold)")
     p.add_argument("--window-chars", type=int, default=32)
     p.add_argument("--tokens", type=int, default=200_000, help="screen CPU: tokens fed per round")
     p.add_argument("--rounds", type=int, default=3)
@@ -63,7 +63,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def policy_document(args: argparse.Namespace) -> dict:
     rules = [{"category": f"c{c}", "terms": [f"forbidden phrase {i}" for i in range(c, args.terms, 5)]}
              for c in range(min(5, args.terms))]
-    rules.append({"category": "patterns", "patterns": [rf"\bsecret\s+code\s+{i}\d+\b" for i in range(args.patterns)]})
+    if args.patterns:
+        rules.append({"category": "patterns",
+                      "patterns": [rf"\bsecret\s+code\s+{i}\d+\b" for i in range(args.patterns)]})
     return {"default": "bench", "policies": {"bench": {"window_chars": args.window_chars, "rules": rules},
                                              "none": {}}}
 
