@@ -288,3 +288,21 @@ def test_tokens_held_back_when_the_client_leaves_are_not_billed(gateway):
     request_id = gateway.fake.cancelled[-1].request_id
     record = _record(gateway, request_id)
     assert (record.status, record.output_tokens) == ("cancelled", 0)  # its one token was relayed, never sent
+
+
+def test_checkpoint_records_do_not_bill_held_back_tokens(oai, gateway):
+    """Ten one-character chunks, all inside the held-back window until the end: a checkpoint (here at every
+    chunk) bills at most the chunk just relayed, never the ones still held."""
+    gateway.fake.script = list("abcdefghij")
+    gateway.ledger.checkpoint_interval_s = 0.0
+    try:
+        raw = oai.chat.completions.with_raw_response.create(model="script", messages=QUESTION, max_tokens=50,
+                                                             stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices) == "abcdefghij"
+    finally:
+        gateway.ledger.checkpoint_interval_s = 1.0
+    request_id = raw.headers["request-id"]
+    assert _record(gateway, request_id).output_tokens == 10
+    checkpoints = [r.output_tokens for r in read_file(gateway.usage_log)
+                   if r.request_id == request_id and r.status == "open"]
+    assert len(checkpoints) > 5 and max(checkpoints) <= 1

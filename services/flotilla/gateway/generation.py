@@ -229,7 +229,8 @@ class RouterEvents:
         self._taps = [metering, telemetry, *self._taps]  # the meter's timer ends before telemetry reads it
         if ctx.ledger is not None:
             self._ledger_tap = UsageLedgerTap(ctx.ledger, job.request, requested_model=self._requested_model,
-                                              key_id=principal.key_id, streamed=self._streamed)
+                                              key_id=principal.key_id, streamed=self._streamed,
+                                              withheld=lambda: self.num_withheld_tokens)
             self._taps.append(self._ledger_tap)
         self._on_event = tuple(tap.on_event for tap in self._taps)
         call = ctx.backend.generate(job.to_proto(self._requested_model), telemetry.outgoing_metadata())

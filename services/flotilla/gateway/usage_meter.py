@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -31,11 +32,12 @@ from flotilla.usage.record import (STATUS_CANCELLED, STATUS_ERROR, STATUS_FILTER
 
 class UsageLedgerTap:
     __slots__ = ("_ledger", "_request", "_model", "_key_id", "_started_at", "_num_output_tokens", "_status",
-                 "_error_code", "_last", "_next_checkpoint", "_settled", "_streamed")
+                 "_error_code", "_last", "_next_checkpoint", "_settled", "_streamed", "_withheld")
 
     def __init__(self, ledger: UsageLedger, request: NewRequest, requested_model: str, key_id: str,
-                 streamed: bool = False):
+                 streamed: bool = False, withheld: Callable[[], int] | None = None):
         self._ledger = ledger
+        self._withheld = withheld  # relayed tokens not (yet) sent to the client: a checkpoint does not bill them
         self._streamed = streamed  # else nothing reaches the caller before the end: no checkpoint bills output
         self._request = request
         self._model = requested_model
@@ -54,7 +56,8 @@ class UsageLedgerTap:
             self._num_output_tokens += len(event.token_ids)
             if self._streamed and time.monotonic() >= self._next_checkpoint:
                 self._next_checkpoint = time.monotonic() + self._ledger.checkpoint_interval_s
-                self._ledger.record(self.record(STATUS_OPEN))
+                withheld = self._withheld() if self._withheld is not None else 0
+                self._ledger.record(self.record(STATUS_OPEN, withheld))
         elif type(event) is Finished:
             self._last = event
             aborted = event.reason is FinishReason.ABORT
@@ -82,7 +85,7 @@ class UsageLedgerTap:
         # shielded: a client gone during the write cancels the handler, not the write (which queues on failure)
         await asyncio.shield(self._ledger.settle(self.record()))
 
-    def record(self, status: str | None = None) -> UsageRecord:
+    def record(self, status: str | None = None, num_withheld_tokens: int = 0) -> UsageRecord:
         last, request = self._last, self._request
         usage = last.usage if type(last) is Finished else None
         version = last.model_version if last is not None else ""
@@ -93,5 +96,5 @@ class UsageLedgerTap:
             model=f"{name}@{version}" if version else self._model, model_version=version,
             input_tokens=(usage.prompt_tokens if usage is not None else 0) or request.num_prompt_tokens,
             cached_input_tokens=usage.cached_prompt_tokens if usage is not None else 0,
-            output_tokens=self._num_output_tokens, status=status or self._status, error_code=self._error_code,
+            output_tokens=self._num_output_tokens - num_withheld_tokens, status=status or self._status, error_code=self._error_code,
             attempts=attempts, started_at=self._started_at, finished_at=time.time())
