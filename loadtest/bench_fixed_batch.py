@@ -30,10 +30,10 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make `loadtest.*` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import grpc  # noqa: E402
-
 from flotilla.api.router.v1 import router_pb2, router_pb2_grpc  # noqa: E402
+from flotilla.fleet.certs import FleetCerts  # noqa: E402
 from flotilla.fleet.process import ServiceProcess  # noqa: E402
+from flotilla.rpc.options import sync_channel  # noqa: E402
 from flotilla.tenancy.keys import KeyEntry, generate_key, hash_key, write_keys_file  # noqa: E402
 from loadtest.common.cpu_time import process_cpu_s, own_cpu_s  # noqa: E402
 from loadtest.simulate_fixed_batch import poisson_arrivals  # noqa: E402
@@ -103,6 +103,8 @@ class Pool:
 
 # ---- the fleet ------------------------------------------------------------------------------------------------
 def service(state: Path, name: str, args: list[str]) -> ServiceProcess:
+    """`flotilla ARGS` with its own certificate (mTLS, a throwaway CA in `state`)."""
+    args = [*args, *FleetCerts(state).args(args[0], name)]
     process = ServiceProcess(name, args, state / "logs" / f"{name}.log", state / "ports" / f"{name}.port")
     process.start()
     return process
@@ -130,7 +132,7 @@ def start_fleet(args: argparse.Namespace, state: Path) -> tuple[list[ServiceProc
     for process in processes:
         process.wait_port(START_TIMEOUT_S)
     deadline = time.monotonic() + START_TIMEOUT_S
-    with grpc.insecure_channel(router.address) as channel:
+    with sync_channel(router.address, FleetCerts(state).client("operator", "bench"), "router") as channel:
         stub = router_pb2_grpc.RouterServiceStub(channel)
         while sum(s.healthy for s in stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=5).workers) < args.workers:
             if time.monotonic() > deadline:

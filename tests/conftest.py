@@ -4,6 +4,8 @@ One torch thread per process: the suite runs several processes at once (workers,
 as the reference) on a 2-core machine, where OpenMP threads that spin while waiting for a busy core make every
 process several times slower.
 
+Triton kernels (flotilla/engine/model/triton_attention.py) run under Triton's interpreter (TRITON_INTERPRET=1).
+
 The unit tier (`make test-unit`, `pytest -m unit`, under a minute): the tests under UNIT_PATHS (less SLOW_PATHS)
 start no process and open no socket, and while one runs, connecting or binding a socket, starting a process or a
 gRPC server raises. A test there that needs one is marked `@pytest.mark.integration`; every other test is marked
@@ -20,6 +22,9 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the service processes the tests start
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton kernels run under Triton's CPU interpreter here. It must be set before anything imports triton (torch and
+# transformers may): triton.language's own helpers are wrapped for the interpreter at import.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import grpc  # noqa: E402
 import pytest  # noqa: E402
@@ -55,6 +60,7 @@ UNIT_PATHS = (
     "operator/test_ratio.py",
     "router",
     "rpc/test_convert.py",
+    "rpc/test_tls.py",
     "usage",
 )
 # ... but not these: whole generations (and transformers' reference for them) take minutes on a CPU.

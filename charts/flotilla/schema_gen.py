@@ -17,6 +17,7 @@ REDIS_IMAGE = {**IMAGE, "properties": {**IMAGE["properties"], "tag": {
     "type": "string", "pattern": r"^(7\.4\.([6-9]|[1-9][0-9])|7\.([5-9]|[1-9][0-9])\.[0-9]+|([8-9]|[1-9][0-9])\.[0-9]+\.[0-9]+)(-[a-z0-9.]+)?$",
     "description": ">= 7.4.6"}}}
 PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
+TLS_ROLES = ("gateway", "router", "worker", "operator")  # one certificate each (flotilla/rpc/certs.py)
 HOSTNAME = {"type": "string", "pattern": r"^(\*\.)?[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"}
 PATH = {"type": "string", "pattern": "^/"}
 GO_DURATION = r"^([0-9]{1,5}(h|m|s|ms)){1,4}$"  # Gateway API's Duration (GEP-2257)
@@ -115,6 +116,21 @@ SCHEMA = {
             "ucx": {"type": "object", "additionalProperties": False, "required": ["netDevices"], "properties": {
                 "netDevices": {"type": "string", "pattern": r"^(all|[A-Za-z0-9_.-]+(:[0-9]+)?(,[A-Za-z0-9_.-]+(:[0-9]+)?)*)$"},
                 "transports": {"type": "string", "pattern": r"^(\^?[a-z0-9_]+(,[a-z0-9_]+)*)?$"}}}}},
+        "internalTLS": {"type": "object", "additionalProperties": False, "properties": {
+            "enabled": {"type": "boolean"},
+            "secrets": {"type": "object", "additionalProperties": False,
+                        "properties": {role: {"type": "string"} for role in TLS_ROLES}},
+            "certificates": {"type": "object", "additionalProperties": False, "properties": {
+                "ca.crt": {"type": "string", "minLength": 1},
+                **{role: {"type": "object", "additionalProperties": False, "required": ["tls.crt", "tls.key"],
+                          "properties": {k: {"type": "string", "minLength": 1} for k in ("tls.crt", "tls.key")}}
+                   for role in TLS_ROLES}}},
+            "certManager": {"type": "object", "additionalProperties": False, "properties": {
+                "enabled": {"type": "boolean"},
+                "issuerRef": {"type": "object", "additionalProperties": False, "properties": {
+                    k: {"type": "string"} for k in ("name", "kind", "group")}},
+                "duration": {"type": "string", "pattern": GO_DURATION},
+                "renewBefore": {"type": "string", "pattern": GO_DURATION}}}}},
         "keys": {"type": "object", "additionalProperties": False, "properties": {
             "existingSecret": {"type": "string"}, "keysJson": {"type": "string"},
             "limits": {"type": "object", "properties": {"maxBodyBytes": {"type": "integer", "minimum": 1}}}}},

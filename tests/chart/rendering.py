@@ -45,12 +45,22 @@ def rendered_case(name: str, *extra: str) -> tuple[dict, ...]:
 
 
 def worker_deployments(docs) -> list[dict]:
-    """What the operator creates for each rendered pool."""
+    """What the operator creates for each rendered pool, with the workers' certificate Secret it was given."""
     built = []
+    tls_secret = operator_env(docs).get("FLOTILLA_WORKER_TLS_SECRET", "")
     for pool in (doc for doc in docs if doc["kind"] == KIND):
         body = {"metadata": {**pool["metadata"], "namespace": NAMESPACE, "uid": "0000"}}
-        built.append(deployment(body, parse_spec(pool["spec"]), 1, pool["spec"]["routerAddress"]))
+        built.append(deployment(body, parse_spec(pool["spec"]), 1, pool["spec"]["routerAddress"], tls_secret))
     return built
+
+
+def operator_env(docs) -> dict[str, str]:
+    """The rendered operator container's plain environment variables (none without an operator)."""
+    for doc in docs:
+        if doc["kind"] == "Deployment" and doc["metadata"]["name"].endswith("-operator"):
+            container = doc["spec"]["template"]["spec"]["containers"][0]
+            return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+    return {}
 
 
 def workloads(docs) -> list[dict]:

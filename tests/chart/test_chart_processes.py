@@ -59,7 +59,12 @@ class Release:
 def _rendered(case: str, tmp: Path) -> list[dict]:
     """Default values need two things from any install: a model volume and API keys (a Secret the chart
     writes from keys.keysJson). The default case serves two models (the `models` list, each with its own
-    pool), the second from its own volume. The disaggregated example names its volume and keeps keys in Redis."""
+    pool), the second from its own volume. The disaggregated example names its volume and keeps keys in Redis.
+    Both get the mTLS certificates `flotilla certs` makes, as chart values (the chart writes their Secrets)."""
+    certs = tmp / "certs"
+    subprocess.run([sys.executable, "-m", "flotilla.cli", "certs", "--out", str(certs)], check=True,
+                   capture_output=True, timeout=60)
+    tls = ["-f", str(certs / "helm-values.yaml")]
     extra: list[str] = []
     if case == "default":
         keys_file = tmp / "keys.json"
@@ -71,7 +76,7 @@ def _rendered(case: str, tmp: Path) -> list[dict]:
         extra = ["--set-json", f"models={json.dumps(models)}", "--set-file", f"keys.keysJson={keys_file}"]
     if case == "disaggregated-gpu":  # its RDMA device (mlx5_0:1) is not on this machine: TCP on loopback
         extra = ["--set", "kvTransfer.ucx.netDevices=lo", "--set", "kvTransfer.ucx.transports=tcp"]
-    result = render(CASES[case], *extra)
+    result = render(CASES[case], *extra, *tls)
     assert result.returncode == 0, result.stderr
     return documents(result.stdout)
 

@@ -62,7 +62,7 @@ def open_paths(docs) -> set[tuple[str, str, int, str]]:
 def expected_paths(pods: set[str], redis: str | None) -> set[tuple[str, str, int, str]]:
     workers = sorted(p for p in pods if p.endswith("-worker"))
     paths = {(src, "gateway", 8080, "TCP") for src in outside()}  # networkPolicy.gatewayFrom empty: any source
-    paths |= {("prometheus", "router", 9090, "TCP"), ("prometheus", "operator", 9090, "TCP")}
+    paths |= {("prometheus", service, 9090, "TCP") for service in ("gateway", "router", "operator")}
     paths |= {("gateway", "router", 50050, "TCP"), ("operator", "router", 50050, "TCP")}
     paths |= {("operator", "apiserver", 443, "TCP"), ("operator", "apiserver", 6443, "TCP")}
     for worker in workers:

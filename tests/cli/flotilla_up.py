@@ -16,6 +16,8 @@ from pathlib import Path
 import yaml
 
 import flotilla.models
+from flotilla.fleet.certs import FleetCerts
+from flotilla.rpc.options import sync_channel
 
 from tests.support.fleet import NO_OUTPUT_CHECK, router_workers
 from tests.support.waiting import wait_until
@@ -49,7 +51,9 @@ class FlotillaUp:
         return f"127.0.0.1:{self.status()['services']['router']['port']}"
 
     def router_workers(self) -> dict:
-        return router_workers(self.router_address)
+        # `flotilla up` made its own CA in its state dir: speak to its router as an operator of that CA
+        tls = FleetCerts(self.state_dir).client("operator", "chaos-test")
+        return router_workers(self.router_address, sync_channel(self.router_address, tls, "router"))
 
     def kill(self, service: str) -> int:
         """kill -9 of one service; returns the pid killed."""

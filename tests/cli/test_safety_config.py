@@ -18,7 +18,7 @@ from tests.cli.test_startup_errors import run_cli
 def test_bad_safety_config_stops_the_gateway(tmp_path, policies, expected):
     config = tmp_path / "safety.json"
     config.write_text(json.dumps({"default": "p", "policies": policies}))
-    result = run_cli("gateway", "--router", "127.0.0.1:1", "--no-auth", "--port", "0", "--safety-config", config,
-                     cwd=tmp_path)
+    result = run_cli("gateway", "--router", "127.0.0.1:1", "--no-auth", "--insecure-internal", "--port", "0",
+                     "--safety-config", config, cwd=tmp_path)
     assert result.returncode == 2
     assert expected in result.stderr and "Traceback" not in result.stderr

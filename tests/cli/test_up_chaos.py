@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from flotilla.api.router.v1 import router_pb2 as rpb
+from flotilla.usage.record import STATUS_OPEN
 from flotilla.usage.sinks import read_file
 
 from tests.support.fleet import MODEL
@@ -63,7 +64,9 @@ async def all_streams(up: FlotillaUp, on_chunk=None) -> list[str]:
 
 def usage_records(up: FlotillaUp, count: int):
     path = up.state_dir / "usage.jsonl"
-    return wait_until(lambda: len(records := list(read_file(path))) >= count and records, 30,
+    # final records only: each request also leaves checkpoints (status open) while it runs
+    return wait_until(lambda: len(records := [r for r in read_file(path) if r.status != STATUS_OPEN]) >= count
+                      and records, 30,
                       f"{count} usage records", interval_s=0.05)
 
 

@@ -18,8 +18,10 @@ from flotilla.gateway.app import create_app
 from flotilla.tenancy.keys import KeyEntry, KeyStore, generate_key, hash_key, write_keys_file
 from flotilla.gateway.metrics import GatewayMetrics
 from flotilla.gateway.router_client import RouterClient
+from flotilla.gateway.server import uvicorn_config
 from flotilla.gateway.settings import GatewaySettings
 from flotilla.usage.ledger import UsageLedger
+from flotilla.observability.exposition import serve_metrics
 
 from tests.support.waiting import wait_until
 
@@ -30,7 +32,9 @@ MAX_BODY_BYTES = 64 * 1024
 
 
 class InProcessGateway:
-    def __init__(self, checkpoint_path: Path, keys_dir: Path, ledger_sink=None, safety_config: Path | None = None):
+    def __init__(self, checkpoint_path: Path, keys_dir: Path, ledger_sink=None, **settings):
+        """`settings`: GatewaySettings fields over the defaults below; `ledger_sink`: a UsageSink the app's
+        UsageLedger writes to (None: no ledger)."""
         self.fake = FakeRouter(str(checkpoint_path))
         self.ledger_sink = ledger_sink  # a usage_sinks.UsageSink: the app gets a UsageLedger writing to it
         self.paid_key, self.free_key, self.batch_key = generate_key(), generate_key(), generate_key()
@@ -41,12 +45,14 @@ class InProcessGateway:
                                                   priority_class="batch")])
         self.settings = GatewaySettings(keys_file=self.keys_file, max_body_bytes=MAX_BODY_BYTES,
                                         model_refresh_s=3600.0, min_refresh_gap_s=0.0, retry_after_s=7,
-                                        safety_config=safety_config)
+                                        **settings)
         self.metrics = GatewayMetrics()
         self._sock = socket.socket()
         self._sock.bind(("127.0.0.1", 0))
         self.base_url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         self._server: uvicorn.Server | None = None
+        self._metrics_server = serve_metrics(self.metrics.registry, "127.0.0.1", 0)  # as `--metrics-port 0`
+        self.metrics_url = f"http://127.0.0.1:{self._metrics_server.port}/metrics"
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name="in-process-gateway", daemon=True)
 
@@ -61,10 +67,15 @@ class InProcessGateway:
         wait_until(started, START_TIMEOUT_S, "the in-process gateway to serve")
         return self
 
+    def app_state(self):
+        """The app's GatewayContext (read from the tests' thread: counters only)."""
+        return self.app.state.gateway
+
     def stop(self) -> None:
         if self._server is not None:
             self._server.should_exit = True
         self._thread.join(timeout=10)
+        self._metrics_server.stop()
 
     def _main(self) -> None:
         try:
@@ -82,7 +93,8 @@ class InProcessGateway:
         ledger = self.ledger = UsageLedger(self.ledger_sink).start() if self.ledger_sink is not None else None
         app = create_app(self.settings, client, KeyStore.from_file(self.keys_file), metrics=self.metrics,
                          ledger=ledger)
-        config = uvicorn.Config(app, lifespan="on", log_level="warning", timeout_graceful_shutdown=1)
+        self.app = app
+        config = uvicorn_config(app, self.settings, log_level="warning", timeout_graceful_shutdown=1)
         self._server = uvicorn.Server(config)
         try:
             await self._server.serve(sockets=[self._sock])

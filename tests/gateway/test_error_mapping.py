@@ -58,3 +58,19 @@ class _RpcError(grpc.RpcError):
                                          (grpc.StatusCode.DEADLINE_EXCEEDED, 504), (grpc.StatusCode.UNKNOWN, 500)])
 def test_grpc_statuses(code, status):
     assert error_from_grpc(_RpcError(code)).kind.status == status
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.NOT_FOUND,
+                                  grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE])
+def test_grpc_failures_name_no_status_or_details(code, caplog):
+    class Leaky(_RpcError):
+        def details(self) -> str:
+            return "worker worker-3 (m@sha256:ab12cd) raised: StatusCode.INTERNAL"
+
+    err = error_from_grpc(Leaky(code), request_id="req_7")
+    for dialect in Dialect:
+        text = str(error_body(dialect, err))
+        assert "worker-3" not in text and "sha256" not in text and code.name not in text, text
+    assert err.kind.status == 503 or "req_7" in err.message
+    assert "worker-3" in caplog.text and "req_7" in caplog.text

@@ -38,7 +38,7 @@ def test_metrics_count_requests_and_ttft(gateway):
     httpx.post(gateway.base_url + "/v1/chat/completions", json=CHAT_BODY, headers=headers)
     httpx.post(gateway.base_url + "/v1/chat/completions", json={**CHAT_BODY, "model": "nope"}, headers=headers)
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in text_string_to_metric_families(httpx.get(gateway.base_url + "/metrics").text)
+               for family in text_string_to_metric_families(httpx.get(gateway.metrics_url).text)
                for s in family.samples}
 
     ok = ("flotilla_gateway_requests_total",
@@ -106,3 +106,9 @@ async def test_unreachable_router(dead_address, checkpoint_dir):
         assert response.status_code == 503 and response.json()["error"]["code"] == "unavailable"
         assert response.headers["retry-after"] == "3"
     await backend.close()
+
+
+def test_the_public_port_does_not_serve_metrics(gateway):
+    response = httpx.get(gateway.base_url + "/metrics")
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "unknown_url"

@@ -79,3 +79,70 @@ def test_the_priority_header_only_lowers_a_keys_class(gateway, path):
     assert "may only lower it" in error["message"]
     assert post(gateway.batch_key, "batch").status_code == 200
     assert post(gateway.paid_key, "batch").status_code == 200
+
+
+@pytest.mark.parametrize("path", ROUTES)
+def test_top_logprobs_past_its_bound(gateway, path):
+    if path == "/v1/messages":
+        body = {**ROUTES[path], "top_logprobs": 2}  # not an Anthropic field: refused, never ignored
+    else:
+        body = {**ROUTES[path], "logprobs": True, "top_logprobs": 21}
+    error = _assert_dialect_400(_post(gateway, path, json=body), path)
+    assert "top_logprobs" in error["message"]
+
+
+@pytest.mark.parametrize("logprobs", [6, -1])
+def test_completion_logprobs_past_its_bounds(gateway, logprobs):
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 5, "logprobs": logprobs}
+    error = _assert_dialect_400(_post(gateway, "/v1/completions", json=body), "/v1/completions")
+    assert error["param"] == "logprobs"
+
+
+# Counts past the bounds take bodies past the test gateway's 64 KiB, so these go through the same parse_body the
+# handlers call, with the same schemas.
+def _many(count: int, item) -> list:
+    return [item] * count
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("dialect", ["openai", "anthropic"])
+@pytest.mark.parametrize("what", ["messages", "content_blocks", "tools"])
+def test_counts_past_their_bounds_are_400_naming_the_field(dialect, what):
+    from flotilla.gateway.anthropic_schema import MessagesRequest
+    from flotilla.gateway.body import parse_body
+    from flotilla.gateway.errors import GatewayError
+    from flotilla.gateway.openai_schema import ChatCompletionRequest
+    from flotilla.gateway.schema_base import MAX_CONTENT_BLOCKS, MAX_MESSAGES, MAX_TOOLS
+    import orjson
+
+    block = {"type": "text", "text": "x"}
+    message = {"role": "user", "content": "x"}
+    body = {"model": "tiny", "max_tokens": 5, "messages": [message]}
+    if what == "messages":
+        body["messages"] = _many(MAX_MESSAGES + 1, message)
+    elif what == "content_blocks":
+        body["messages"] = [{"role": "user", "content": _many(MAX_CONTENT_BLOCKS + 1, block)}]
+    elif dialect == "openai":
+        body["tools"] = _many(MAX_TOOLS + 1, {"type": "function", "function": {"name": "f"}})
+    else:
+        body["tools"] = _many(MAX_TOOLS + 1, {"name": "f", "input_schema": {"type": "object"}})
+    schema = ChatCompletionRequest if dialect == "openai" else MessagesRequest
+    with pytest.raises(GatewayError) as raised:
+        parse_body(schema, orjson.dumps(body))
+    assert raised.value.kind.status == 400
+    assert "at most" in raised.value.message and raised.value.param.split(".")[0] in ("messages", "tools")
+
+
+@pytest.mark.unit
+def test_a_bodys_total_text_is_bounded_before_any_tokenizing():
+    from flotilla.gateway.body import MAX_TEXT_CHARS, parse_body
+    from flotilla.gateway.errors import GatewayError
+    from flotilla.gateway.openai_schema import ChatCompletionRequest
+    import orjson
+
+    half = "x" * (MAX_TEXT_CHARS // 2)
+    body = {"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": half},
+                                                           {"role": "user", "content": half + "y"}]}
+    with pytest.raises(GatewayError) as raised:
+        parse_body(ChatCompletionRequest, orjson.dumps(body))
+    assert raised.value.code == "text_too_long" and raised.value.kind.status == 400

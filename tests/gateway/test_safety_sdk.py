@@ -73,7 +73,7 @@ def claude(gateway):
 
 
 def _blocks(gateway, stage: str, category: str) -> float:
-    text = httpx.get(gateway.base_url + "/metrics").text
+    text = httpx.get(gateway.metrics_url).text
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
                if s.name == "flotilla_gateway_safety_blocks_total" and s.labels["stage"] == stage
                and s.labels["category"] == category)

@@ -15,17 +15,21 @@ from flotilla.api.router.v1 import router_pb2_grpc
 from flotilla.fleet.process import ServiceProcess
 
 from tests.support.fleet import start_service
+from tests.support.tls import channel
 
 MODEL = "tiny"
 POOL_RESOURCE = "flotilla.dev/v1alpha1/flotillapools"
 
 
 class FakeWorkers:
-    """Workers as the router sees them: registration and load reports, no engine behind them."""
+    """Workers as the router sees them: registration and load reports, no engine behind them. They speak with
+    a worker certificate; ListWorkers (states) goes as an operator, the only role allowed to list them."""
 
     def __init__(self, router_address: str):
-        self._channel = grpc.insecure_channel(router_address)
+        self._channel = channel(router_address, client_role="worker")
         self.stub = router_pb2_grpc.RouterServiceStub(self._channel)
+        self._operator_channel = channel(router_address)
+        self._operator = router_pb2_grpc.RouterServiceStub(self._operator_channel)
         self.loads: dict[str, pb.LoadReport] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -46,7 +50,7 @@ class FakeWorkers:
         self.stub.Heartbeat(rpb.HeartbeatRequest(worker_id=worker_id, load=load), timeout=5)
 
     def states(self) -> dict[str, int]:
-        response = self.stub.ListWorkers(rpb.ListWorkersRequest(), timeout=5)
+        response = self._operator.ListWorkers(rpb.ListWorkersRequest(), timeout=5)
         return {w.worker.worker_id: w.state for w in response.workers}
 
     def _beat(self) -> None:
@@ -63,6 +67,7 @@ class FakeWorkers:
         self._stop.set()
         self._thread.join()
         self._channel.close()
+        self._operator_channel.close()
 
 
 @pytest.fixture(scope="module")

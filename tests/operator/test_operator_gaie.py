@@ -21,8 +21,11 @@ from flotilla.operator.pool_spec import parse_spec
 from tests.chart.test_chart import _json_schema
 from tests.operator.conftest import kmock_info
 from tests.operator.test_operator_kmock import POOL
+from tests.support.tls import identity_dir
 from tests.support.waiting import async_wait_until
 from .kopf_run import start_operator
+
+OPERATOR_TLS = str(identity_dir("operator", "operator"))  # the router lets operators steer workers
 
 ROOT = Path(__file__).resolve().parents[2]
 # GAIE's CRD is not part of this repository (Flotilla does not bundle it): the test reads a release's file from
@@ -81,7 +84,8 @@ async def test_operator_applies_it_only_where_gaie_is_served(kube, router, serve
         kube.resources[GAIE_RESOURCE] = kmock_info(gaie.KIND)
     registry = kopf.OperatorRegistry()
     register_handlers(registry, OperatorConfig(router_address=router.address, interval_s=0.2,
-                                               kube_host=str(kube.url).rstrip("/"), gateway=TARGET))
+                                               kube_host=str(kube.url).rstrip("/"), gateway=TARGET,
+                                               tls_dir=OPERATOR_TLS, worker_tls_secret="flotilla-tls-worker"))
     operator, stop = start_operator(registry)
     try:
         await kube.post("/apis/flotilla.dev/v1alpha1/namespaces/ns1/flotillapools", json=POOL)

@@ -12,8 +12,11 @@ from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.operator.config import OperatorConfig
 from flotilla.operator.handlers import register_handlers
 
+from tests.support.tls import identity_dir
 from tests.support.waiting import async_wait_until
 from .kopf_run import start_operator
+
+OPERATOR_TLS = str(identity_dir("operator", "operator"))  # the router lets operators steer workers
 
 POOL = {
     "apiVersion": "flotilla.dev/v1alpha1",
@@ -50,7 +53,8 @@ def _get(kube: kmock.KubernetesEmulator, key, *path):
 async def test_pool_creates_deployment_scales_on_signals_and_writes_status(kube, router, workers):
     registry = kopf.OperatorRegistry()
     metrics = register_handlers(registry, OperatorConfig(router_address=router.address, interval_s=0.2,
-                                               kube_host=str(kube.url).rstrip("/")))
+                                               kube_host=str(kube.url).rstrip("/"),
+                                               tls_dir=OPERATOR_TLS, worker_tls_secret="flotilla-tls-worker"))
     operator, stop = start_operator(registry)
     try:
         await kube.post(f"/apis/flotilla.dev/v1alpha1/namespaces/ns1/flotillapools", json=POOL)

@@ -40,7 +40,7 @@ def _status(kube, name: str) -> dict:
 async def test_other_images_and_host_paths_are_refused_until_allowed(kube):
     registry = kopf.OperatorRegistry()
     register_handlers(registry, OperatorConfig(kube_host=str(kube.url).rstrip("/"), interval_s=0.2,
-                                               pod_policy=POLICY))
+                                               pod_policy=POLICY, insecure_internal=True))
     operator, stop = start_operator(registry)
     host_path = copy.deepcopy(POOL)
     host_path["metadata"].update(name="h", uid="uid-h")

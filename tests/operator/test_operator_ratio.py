@@ -71,7 +71,7 @@ def keys(name: str):
 async def test_prefill_pool_scales_to_the_ratio_of_the_decode_pool(kube, router_address):
     registry = kopf.OperatorRegistry()
     register_handlers(registry, OperatorConfig(router_address=router_address, interval_s=0.2,
-                                               kube_host=str(kube.url).rstrip("/")))
+                                               kube_host=str(kube.url).rstrip("/"), insecure_internal=True))
     operator, stop = start_operator(registry)
     prefill_deployment, prefill_pool = keys("prefill-a")
     try:

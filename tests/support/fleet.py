@@ -33,6 +33,7 @@ from flotilla.usage.record import UsageRecord
 
 from tests.support.otlp_receiver import OTLPReceiver
 from tests.support.redis_server import RedisServer
+from tests.support.tls import channel, session_ca, tls_args
 from tests.support.waiting import wait_until
 
 MODEL = "flotilla-tiny"
@@ -46,7 +47,9 @@ def fleet_config(checkpoint: Path, state_dir: Path, **fields) -> FleetConfig:
     The workers' golden-output check is off: its requests would move the engine counters that suites compare
     before and after (tests/worker/test_output_check.py and router_worker/test_output_health.py test it)."""
     fields["worker_args"] = [*NO_OUTPUT_CHECK, *fields.get("worker_args", [])]
-    return FleetConfig(model_dir=checkpoint, state_dir=state_dir, **{"model_name": MODEL, **fields})
+    return FleetConfig(model_dir=checkpoint, state_dir=state_dir,
+                       **{"model_name": MODEL, "ca": None if fields.get("insecure_internal") else session_ca(),
+                          **fields})
 
 
 @dataclass
@@ -101,7 +104,8 @@ class Fleet:
         """One more gateway process on the fleet's router (the fleet's auth, then `args`), once it serves."""
         name = f"gateway-{len(self.gateways)}"
         gateway = _service(self.state_dir, name, ["gateway", "--host", "127.0.0.1", "--port", "0", "--router",
-                                                  self.fleet.router_address, *self._auth_args(), *args])
+                                                  self.fleet.router_address, *self._auth_args(),
+                                                  *self.fleet.certs.args("gateway", name), *args])
         gateway.start()
         self.gateways.append(gateway)
         gateway.wait_port(READY_TIMEOUT_S)
@@ -215,8 +219,12 @@ def create_redis_key(redis_url: str, tenant: str, *flags: str) -> str:
 
 def start_service(state_dir: Path, name: str, *args: str, wait: bool = True) -> ServiceProcess:
     """One service (`flotilla ARGS`) as a process, its log and port file under `state_dir` as LocalFleet lays them
-    out; with `wait`, once it wrote its port (then `.address` is where it serves)."""
-    process = _service(state_dir, name, list(args))
+    out; with `wait`, once it wrote its port (then `.address` is where it serves). A router, worker or gateway
+    gets a certificate from the session CA (its role, `name`) unless ARGS say --insecure-internal or --tls-dir."""
+    args = list(args)
+    if args[0] in ("router", "worker", "gateway") and not {"--insecure-internal", "--tls-dir"} & set(args):
+        args += tls_args(args[0], name)
+    process = _service(state_dir, name, args)
     process.start()
     if wait:
         process.wait_port(START_TIMEOUT_S)
@@ -233,10 +241,11 @@ def wait_gateway_ready(url: str, timeout_s: float = READY_TIMEOUT_S) -> None:
                interval_s=0.05, ignore=(httpx.HTTPError,))
 
 
-def router_workers(router_address: str) -> dict[str, router_pb2.WorkerStatus]:
-    """The router's ListWorkers, by worker id."""
-    with grpc.insecure_channel(router_address) as channel:
-        response = router_pb2_grpc.RouterServiceStub(channel).ListWorkers(router_pb2.ListWorkersRequest(), timeout=5)
+def router_workers(router_address: str, router_channel: grpc.Channel | None = None
+                   ) -> dict[str, router_pb2.WorkerStatus]:
+    """The router's ListWorkers, by worker id (as an operator of the session CA, unless `router_channel`)."""
+    with router_channel or channel(router_address) as router:
+        response = router_pb2_grpc.RouterServiceStub(router).ListWorkers(router_pb2.ListWorkersRequest(), timeout=5)
     return {status.worker.worker_id: status for status in response.workers}
 
 
@@ -246,8 +255,8 @@ def num_healthy_workers(router_address: str) -> int:
 
 def worker_load(worker: ServiceProcess) -> common_pb2.LoadReport:
     """The worker's own GetLoad (not the router's last report of it)."""
-    with grpc.insecure_channel(worker.address) as channel:
-        return worker_pb2_grpc.WorkerServiceStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+    with channel(worker.address, "worker") as worker_channel:
+        return worker_pb2_grpc.WorkerServiceStub(worker_channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
 
 
 def metric_samples(target: str) -> list[Sample]:

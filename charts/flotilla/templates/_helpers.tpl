@@ -90,3 +90,37 @@ names are <release>-<model slug>-<role>; the slug is the model's `pool` key, els
 {{- end }}
 {{- toYaml (dict "pools" $pools) }}
 {{- end -}}
+
+{{- /* mTLS (values internalTLS): the Secret of a role's certificate, and what a container needs to use it.
+A container gets FLOTILLA_TLS_DIR (its service and its exec probe read the certificate there), or, with
+internalTLS.enabled false, the --insecure-internal flag. */}}
+{{- define "flotilla.tlsSecret" -}}
+{{ index .root.Values.internalTLS.secrets .role | default (printf "%s-tls-%s" (include "flotilla.name" .root) .role) }}
+{{- end -}}
+
+{{- define "flotilla.tlsDir" -}}/etc/flotilla/tls{{- end -}}
+
+{{- define "flotilla.tlsEnv" -}}
+{{- if .Values.internalTLS.enabled -}}
+- {name: FLOTILLA_TLS_DIR, value: {{ include "flotilla.tlsDir" . }}}
+{{- end -}}
+{{- end -}}
+
+{{- define "flotilla.tlsArgs" -}}
+{{- if not .Values.internalTLS.enabled -}}
+- --insecure-internal
+{{- end -}}
+{{- end -}}
+
+{{- define "flotilla.tlsMounts" -}}
+{{- if .Values.internalTLS.enabled -}}
+- {name: tls, mountPath: {{ include "flotilla.tlsDir" . }}, readOnly: true}
+{{- end -}}
+{{- end -}}
+
+{{- define "flotilla.tlsVolumes" -}}
+{{- if .root.Values.internalTLS.enabled -}}
+- name: tls
+  secret: {secretName: {{ include "flotilla.tlsSecret" . }}, defaultMode: 0440}
+{{- end -}}
+{{- end -}}

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import grpc
-
 from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.router.v1 import router_pb2_grpc
 from flotilla.autoscaling.signals import PoolSignals, TokenMix
+from flotilla.rpc.options import sync_channel
+from flotilla.rpc.tls import InternalTLS
 
 CALL_TIMEOUT_S = 2.0
 
@@ -32,8 +32,9 @@ def token_mix(signals: PoolSignals) -> TokenMix:
 
 
 class RouterClient:
-    def __init__(self, address: str):
-        self._channel = grpc.insecure_channel(address)
+    def __init__(self, address: str, tls: InternalTLS | None = None):
+        """`tls`: the operator's certificate (the router lets only operators steer workers)."""
+        self._channel = sync_channel(address, tls, "router")
         self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
 
     def signals(self, model: str, window_s: float, role: int = pb.WORKER_ROLE_UNSPECIFIED) -> PoolSignals:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +17,11 @@ class EngineConfig:
     model_dir: str
     device: str = "auto"  # "auto": cuda when present, else cpu
     dtype: str = "auto"  # "auto": float32 on cpu (no bf16 units here), the checkpoint's 16-bit type on cuda
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; or float8_e4m3fn / float8_e5m2 (half the KV bytes)
+    attention_backend: str = "auto"  # "auto": triton on cuda, torch (SDPA + the C decode kernel) on cpu
+    cuda_graphs: bool = True  # capture decode steps on cuda (cuda_graphs.py); ignored on cpu
+    cuda_graph_max_batch: int | None = None  # largest captured decode batch; None: max_num_seqs
+    cuda_graph_memory_bytes: int = 2 << 30  # captures stop before their pool would pass this
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None  # budget for the KV pool; None = a per-device default
     num_kv_blocks: int | None = None  # overrides the byte budget (tests)
@@ -32,8 +39,20 @@ class EngineConfig:
             raise ValueError("block_size, max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be auto or one of {sorted(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}")
         if self.preemption_mode == "swap" and self.num_host_kv_blocks < 1:
             raise ValueError("preemption_mode 'swap' needs num_host_kv_blocks >= 1")
+
+
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
+KV_CACHE_DTYPES = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
+}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -58,3 +77,28 @@ def default_kv_budget(device: torch.device) -> int:
         free_bytes, _ = torch.cuda.mem_get_info(device)
         return int(free_bytes * GPU_KV_MEMORY_FRACTION)
     return DEFAULT_CPU_KV_BYTES
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV pool's element type. fp8 halves the pool's bytes (twice the blocks per budget); the Triton kernel
+    widens it on load, the torch path widens whole gathered blocks (slower: for tests and CPUs). On CUDA, fp8 needs
+    a GPU with fp8 conversions (compute capability 8.9: Ada, Hopper and later)."""
+    if name == "auto":
+        return model_dtype
+    dtype = KV_CACHE_DTYPES[name]
+    if dtype.itemsize == 1 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"kv_cache_dtype {name} needs a GPU of compute capability 8.9 or later")
+    return dtype
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """"triton" or "torch", chosen once at start-up. auto: triton on cuda (when importable), torch elsewhere. An
+    explicit triton off cuda needs Triton's interpreter (TRITON_INTERPRET=1: tests only, very slow)."""
+    if name == "auto":
+        return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else "torch"
+    if name == "triton":
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError("attention_backend 'triton' needs the triton package")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"attention_backend 'triton' runs on cuda (on {device.type} only with TRITON_INTERPRET=1)")
+    return name

@@ -9,7 +9,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flotilla.engine.block_hash import chain_root
-from flotilla.engine.config import EngineConfig, default_kv_budget, resolve_device, resolve_dtype
+from flotilla.engine import cuda_graphs
+from flotilla.engine.config import (
+    EngineConfig,
+    default_kv_budget,
+    resolve_attention_backend,
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
 from flotilla.engine.detokenizer import IncrementalDetokenizer
 from flotilla.engine.errors import InvalidRequestError
 from flotilla.engine.kv_cache_manager import KVCacheManager
@@ -45,6 +53,8 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.model_config = ModelConfig.from_pretrained(config.model_dir)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.torch_dtype)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.tokenizer = Tokenizer.from_pretrained(config.model_dir)
         # Structured outputs (grammar_backend.py); llguidance's vocabulary is built at the first such request.
         self.grammars = GrammarBackend(self.tokenizer.to_json, self.model_config.vocab_size,
@@ -54,7 +64,9 @@ class LLMEngine:
         model = load_model(config.model_dir, self.dtype, self.device)
         num_blocks = config.num_kv_blocks or self._blocks_for_budget()
         self.runner = ModelRunner(
-            model, num_blocks, config.block_size, self.dtype, self.device, config.num_host_kv_blocks, config.seed
+            model, num_blocks, config.block_size, self.kv_cache_dtype, self.device, config.num_host_kv_blocks,
+            config.seed, self.attention_backend, self._graph_sizes(model), self.max_model_len,
+            config.cuda_graph_memory_bytes,
         )
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching, config.num_host_kv_blocks
@@ -75,9 +87,19 @@ class LLMEngine:
         self._num_prompt_tokens_total = 0
         self._num_output_tokens_total = 0
 
+    def _graph_sizes(self, model) -> list[int]:
+        """Decode batch sizes to capture: on cuda with the Triton kernel, for models whose steps replay fixed work."""
+        config = self.config
+        if not (config.cuda_graphs and self.device.type == "cuda" and self.attention_backend == "triton"
+                and cuda_graphs.graphs_apply(model)):
+            return []
+        largest = min(config.cuda_graph_max_batch or config.max_num_seqs, config.max_num_seqs,
+                      config.max_num_batched_tokens)  # no decode step has more rows than either allows
+        return cuda_graphs.capture_sizes(largest)
+
     def _blocks_for_budget(self) -> int:
         budget = self.config.kv_cache_memory_bytes or default_kv_budget(self.device)
-        num_blocks = num_blocks_for_budget(self.model_config, self.config.block_size, self.dtype, budget)
+        num_blocks = num_blocks_for_budget(self.model_config, self.config.block_size, self.kv_cache_dtype, budget)
         if num_blocks < 1:
             raise ValueError(f"a KV budget of {budget} bytes holds no block of {self.config.block_size} tokens")
         return num_blocks

@@ -7,6 +7,7 @@ from typing import Protocol
 
 import torch
 
+from flotilla.engine import cuda_graphs
 from flotilla.engine.model import decode_kernel
 from flotilla.engine.model.attention import AttentionMetadata, SeqChunk
 from flotilla.engine.model.kv_cache import allocate_kv_cache, copy_blocks
@@ -32,16 +33,33 @@ class ModelRunner:
         device: torch.device,
         num_host_blocks: int = 0,
         default_seed: int = 0,
+        attention_backend: str = "torch",
+        graph_sizes: Sequence[int] = (),
+        max_model_len: int | None = None,
+        graph_memory_bytes: int = 2 << 30,
     ):
+        """dtype: of the KV pool (the model's, or narrower: fp8). attention_backend: "torch" (gather + SDPA, the C
+        decode kernel on CPUs) or "triton" (config.resolve_attention_backend). graph_sizes: decode batch sizes to
+        replay from CUDA graphs (Triton backend only; max_model_len then sets the block-table width)."""
         self.model = model
         self.block_size = block_size
         self.device = device
         self.default_seed = default_seed
-        self.kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, dtype, device)
+        self.use_triton = attention_backend == "triton"
+        # Graph padding writes its K/V into a spare block past the ones the KV manager hands out.
+        spare = 1 if graph_sizes else 0
+        self.kv_caches = allocate_kv_cache(model.config, num_blocks + spare, block_size, dtype, device)
         # Optional KV-transfer hook (flotilla.engine.remote_prefill.KVSender): told each step's chunks, called
         # after every layer, and at the end of the forward pass (where it waits for its writes).
         self.kv_hook: StepKVHook | None = None
-        self.use_decode_kernel = decode_kernel.applies(self.kv_caches[0])
+        self.use_decode_kernel = not self.use_triton and decode_kernel.applies(self.kv_caches[0])
+        self.graphs: cuda_graphs.DecodeGraphs | None = None
+        if graph_sizes:
+            if not self.use_triton or max_model_len is None:
+                raise ValueError("decode graphs need the triton attention backend and max_model_len")
+            width = -(-max_model_len // block_size)
+            self.graphs = cuda_graphs.DecodeGraphs(model, self.kv_caches, graph_sizes, width, block_size,
+                                                   num_blocks * block_size, device, graph_memory_bytes)
         # Host copy of the pool for swap preemption; pinned so that copies from a GPU are asynchronous.
         self.host_kv_caches = (
             allocate_kv_cache(
@@ -59,20 +77,12 @@ class ModelRunner:
         # Decode chunks first, shortest context first: the attention metadata batches runs of one-token
         # chunks of similar length into one call each.
         chunks = sorted(scheduler_output.chunks, key=lambda chunk: (chunk.num_tokens != 1, chunk.end))
-        input_ids, positions = self._inputs(chunks)
-        meta = AttentionMetadata.build(
-            [SeqChunk(c.start, c.num_tokens, c.block_ids, _num_original_prompt_tokens(c.request)) for c in chunks],
-            self.block_size,
-            self.device,
-            use_decode_kernel=self.use_decode_kernel,
-            sliding_window=self.model.config.sliding_window,
-        )
         hook = self.kv_hook
-        if hook is not None:
-            hook.begin_step(scheduler_output)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches, hook.on_layer if hook is not None else None)
-        if hook is not None:
-            hook.end_step()
+        if hook is None and self._replays(chunks):
+            hidden = self.graphs.run([cuda_graphs.DecodeRow(c.request.token_ids_slice(c.start, c.end)[0], c.start,
+                                                            c.block_ids) for c in chunks])
+        else:
+            hidden = self._forward(scheduler_output, chunks, hook)
         sampling = [i for i, chunk in enumerate(chunks) if chunk.samples]
         if not sampling:
             return ModelRunnerOutput()
@@ -86,6 +96,28 @@ class ModelRunner:
         output = ModelRunnerOutput(sampled_token_ids={r.request_id: t for r, t in zip(requests, token_ids)})
         self._add_logprobs(output, logits, requests, token_ids)
         return output
+
+    def _replays(self, chunks: Sequence[ScheduledChunk]) -> bool:
+        """An all-decode step that a captured graph holds (a KV-transfer hook needs the eager per-layer calls)."""
+        return (self.graphs is not None and chunks[-1].num_tokens == 1
+                and self.graphs.bucket_for(len(chunks)) is not None)
+
+    def _forward(self, scheduler_output: SchedulerOutput, chunks: Sequence[ScheduledChunk], hook) -> torch.Tensor:
+        input_ids, positions = self._inputs(chunks)
+        meta = AttentionMetadata.build(
+            [SeqChunk(c.start, c.num_tokens, c.block_ids, _num_original_prompt_tokens(c.request)) for c in chunks],
+            self.block_size,
+            self.device,
+            use_decode_kernel=self.use_decode_kernel,
+            sliding_window=self.model.config.sliding_window,
+            use_triton=self.use_triton,
+        )
+        if hook is not None:
+            hook.begin_step(scheduler_output)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches, hook.on_layer if hook is not None else None)
+        if hook is not None:
+            hook.end_step()
+        return hidden
 
     def _move_blocks(self, scheduler_output: SchedulerOutput) -> None:
         _copy_between(self.kv_caches, self.host_kv_caches, scheduler_output.swap_out)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 import grpc
+
+from flotilla.rpc.tls import InternalTLS, RoleAuthorization, channel_target_options
 
 MAX_MESSAGE_BYTES = 64 << 20  # long prompts travel as token ids: 64 MiB is ~16M tokens
 
@@ -31,17 +34,37 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
 ]
 
 
-def aio_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def aio_channel(address: str, tls: InternalTLS | None = None, server_role: str = "") -> grpc.aio.Channel:
+    """A channel to a service of `server_role` (its certificate is checked for that role); plaintext when
+    `tls` is None (--insecure-internal)."""
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    options = [*CHANNEL_OPTIONS, *channel_target_options(tls, server_role)]
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
 
 
-def aio_server() -> grpc.aio.Server:
-    return grpc.aio.server(options=SERVER_OPTIONS)
+def sync_channel(address: str, tls: InternalTLS | None = None, server_role: str = "") -> grpc.Channel:
+    """aio_channel's blocking twin (the autoscaler's thread, exec probes, tests)."""
+    if tls is None:
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    options = [*CHANNEL_OPTIONS, *channel_target_options(tls, server_role)]
+    return grpc.secure_channel(address, tls.channel_credentials(), options=options)
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Bind host:port (0 = any free port) and return the port actually bound; raise if binding failed."""
-    bound = server.add_insecure_port(f"{_bracketed(host)}:{port}")
+def aio_server(tls: InternalTLS | None = None, policy: Mapping[str, Collection[str]] | None = None
+               ) -> grpc.aio.Server:
+    """With `tls`, every call is checked against `policy` (method -> roles allowed, rpc/tls.py) before its
+    handler runs; without, anyone may call anything."""
+    interceptors = [RoleAuthorization(policy or {})] if tls is not None else []
+    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+
+
+def bind(server: grpc.aio.Server, host: str, port: int, tls: InternalTLS | None = None) -> int:
+    """Bind host:port (0 = any free port) and return the port actually bound; raise if binding failed. With
+    `tls`, only clients with a certificate from its CA get past the handshake."""
+    target = f"{_bracketed(host)}:{port}"
+    bound = server.add_insecure_port(target) if tls is None else server.add_secure_port(target,
+                                                                                        tls.server_credentials())
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
     return bound

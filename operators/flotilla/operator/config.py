@@ -18,10 +18,18 @@ class OperatorConfig:
     metrics_port: int | None = None  # serve the autoscaler gauges on /metrics here (0: any free port)
     gateway: GatewayTarget = field(default_factory=lambda: GatewayTarget(mode="off"))  # GAIE InferencePools
     pod_policy: PodPolicy = field(default_factory=PodPolicy)  # what pools may ask of their worker pods
+    # mTLS: the operator's own certificate directory (it calls the router as an operator identity) and the
+    # Secret its worker pods mount (a worker identity); or, explicitly, insecure_internal: plaintext for the
+    # operator and its workers (--insecure-internal), with a warning.
+    tls_dir: str = ""
+    worker_tls_secret: str = ""
+    insecure_internal: bool = False
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0:
             raise ValueError("interval_s must be > 0")
+        if self.tls_dir and not self.worker_tls_secret:
+            raise ValueError("FLOTILLA_TLS_DIR needs FLOTILLA_WORKER_TLS_SECRET (the worker pods' certificate)")
 
     @classmethod
     def from_env(cls) -> OperatorConfig:
@@ -33,7 +41,17 @@ class OperatorConfig:
             if os.environ.get("FLOTILLA_OPERATOR_METRICS_PORT") else None,
             gateway=_gateway_from_env(),
             pod_policy=PodPolicy.from_env(),
+            tls_dir=os.environ.get("FLOTILLA_TLS_DIR", ""),
+            worker_tls_secret=os.environ.get("FLOTILLA_WORKER_TLS_SECRET", ""),
+            insecure_internal=os.environ.get("FLOTILLA_INSECURE_INTERNAL", "").lower() in ("1", "true", "yes"),
         )
+
+    def router_tls(self):
+        """The operator's InternalTLS for router calls; None for insecure_internal (warned). Exits when neither
+        a tls_dir nor insecure_internal was given."""
+        from flotilla.rpc.tls import from_flags
+
+        return from_flags(self.tls_dir or None, self.insecure_internal, "operator")
 
 
 def _gateway_from_env() -> GatewayTarget:

@@ -34,13 +34,14 @@ def register_handlers(registry: kopf.OperatorRegistry, config: OperatorConfig) -
     if config.metrics_port is not None:
         serve_metrics(metrics_registry, "0.0.0.0", config.metrics_port)  # scraped from inside the cluster
     routers: dict[str, RouterClient] = {}
+    router_tls = config.router_tls()  # None: --insecure-internal (warned); neither: exits here, at start
 
     def router_for(spec: PoolSpec) -> RouterClient | None:
         address = spec.router_address or config.router_address
         if not address:
             return None
         if address not in routers:
-            routers[address] = RouterClient(address)
+            routers[address] = RouterClient(address, router_tls)
         return routers[address]
 
     def gaie_enabled() -> bool:
@@ -70,7 +71,8 @@ def register_handlers(registry: kopf.OperatorRegistry, config: OperatorConfig) -
         existing = kube.read_deployment(meta["namespace"], manifests.worker_name(meta["name"]))
         initial = pool.policy.min_replicas + pool.policy.warm_replicas
         address = pool.router_address or config.router_address
-        kube.apply_deployment(manifests.deployment(raw, pool, initial, address), keep_replicas=existing is not None)
+        manifest = manifests.deployment(raw, pool, initial, address, config.worker_tls_secret)
+        kube.apply_deployment(manifest, keep_replicas=existing is not None)
         kube.apply_service(manifests.service(raw, pool))
         if pool.role in gaie.SERVING_ROLES and gaie_enabled():
             kube.apply_custom(gaie.GROUP, gaie.VERSION, gaie.PLURAL, gaie.inference_pool(raw, pool, config.gateway))

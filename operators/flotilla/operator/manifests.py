@@ -15,6 +15,7 @@ DRAINED_DELETION_COST = "-1000"
 # caches (the CPU decode kernel, compiled on first use; Hugging Face; Triton) and shared memory (torch, UCX).
 IMAGE_UID = 10001
 WRITABLE_PATHS = {"tmp": "/tmp", "cache": "/var/cache/flotilla", "shm": "/dev/shm"}
+TLS_DIR = "/etc/flotilla/tls"  # the workers' certificate Secret (ca.crt, tls.crt, tls.key), mounted read-only
 
 
 def owner_reference(body: dict[str, Any]) -> dict[str, Any]:
@@ -42,7 +43,10 @@ def worker_name(pool_name: str) -> str:
     return f"{pool_name}-workers"
 
 
-def deployment(body: dict[str, Any], spec: PoolSpec, replicas: int, router_address: str) -> dict[str, Any]:
+def deployment(body: dict[str, Any], spec: PoolSpec, replicas: int, router_address: str,
+               tls_secret: str = "") -> dict[str, Any]:
+    """`tls_secret`: the Secret with the workers' mTLS certificate (a worker identity); "": the workers run
+    with --insecure-internal."""
     name = body["metadata"]["name"]
     selector = {POOL_LABEL: name}
     return {
@@ -63,25 +67,27 @@ def deployment(body: dict[str, Any], spec: PoolSpec, replicas: int, router_addre
                     "terminationGracePeriodSeconds": 120,
                     "automountServiceAccountToken": False,  # a worker never calls the Kubernetes API
                     "securityContext": pod_security_context(),
-                    "containers": [_container(spec, router_address)],
-                    "volumes": [*_writable_volumes(), *spec.worker.volumes],
+                    "containers": [_container(spec, router_address, tls_secret)],
+                    "volumes": [*_writable_volumes(), *_tls_volumes(tls_secret), *spec.worker.volumes],
                 },
             },
         },
     }
 
 
-def _container(spec: PoolSpec, router_address: str) -> dict[str, Any]:
+def _container(spec: PoolSpec, router_address: str, tls_secret: str) -> dict[str, Any]:
     port = spec.worker.port
     args = [
         "worker", "--host", "0.0.0.0", "--port", str(port), "--advertise-host", "$(POD_IP)",
         "--worker-id", "$(POD_NAME)", "--router", router_address,
         "--model-dir", spec.model.checkpoint, "--model-name", spec.model.name, "--role", spec.role,
-        "--metrics-port", str(METRICS_PORT), *spec.worker.args,
+        "--metrics-port", str(METRICS_PORT), *([] if tls_secret else ["--insecure-internal"]), *spec.worker.args,
     ]  # fmt: skip
     env = [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        # The worker and its exec probe (`flotilla probe worker`) read the certificate from here.
+        *([{"name": "FLOTILLA_TLS_DIR", "value": TLS_DIR}] if tls_secret else []),
         *spec.worker.env,
     ]
     container: dict[str, Any] = {
@@ -91,6 +97,7 @@ def _container(spec: PoolSpec, router_address: str) -> dict[str, Any]:
         **_probes(port),
         "securityContext": CONTAINER_SECURITY_CONTEXT,
         "volumeMounts": [*({"name": name, "mountPath": path} for name, path in WRITABLE_PATHS.items()),
+                         *([{"name": "tls", "mountPath": TLS_DIR, "readOnly": True}] if tls_secret else []),
                          *spec.worker.volume_mounts],
     }
     if spec.worker.resources:
@@ -111,6 +118,10 @@ def pod_security_context() -> dict[str, Any]:
 def _writable_volumes() -> list[dict[str, Any]]:
     return [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}},
             {"name": "shm", "emptyDir": {"medium": "Memory"}}]
+
+
+def _tls_volumes(tls_secret: str) -> list[dict[str, Any]]:
+    return [{"name": "tls", "secret": {"secretName": tls_secret, "defaultMode": 0o440}}] if tls_secret else []
 
 
 def _probes(port: int) -> dict[str, Any]:

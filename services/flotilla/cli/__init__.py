@@ -14,7 +14,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Subcommand modules; each defines register(subparsers) and sets a `func(args) -> int` default.
 SUBCOMMAND_MODULES = ("flotilla.cli.model", "flotilla.cli.serve", "flotilla.cli.gateway", "flotilla.cli.up",
-                      "flotilla.cli.keys", "flotilla.cli.usage", "flotilla.cli.probe")
+                      "flotilla.cli.keys", "flotilla.cli.usage", "flotilla.cli.probe", "flotilla.cli.certs")
 
 
 def build_parser() -> argparse.ArgumentParser:

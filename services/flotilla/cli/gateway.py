@@ -7,7 +7,8 @@ import logging
 import sys
 from pathlib import Path
 
-from flotilla.gateway.settings import DEFAULT_MAX_BODY_BYTES, TOOL_CALL_PARSERS
+from flotilla.cli.tls_flags import add_tls_flags, internal_tls
+from flotilla.gateway.settings import DEFAULT_MAX_BODY_BYTES, TOOL_CALL_PARSERS, GatewaySettings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -16,6 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--host", default="127.0.0.1")
     run.add_argument("--port", type=int, default=8000, help="0: pick a free port and announce it")
     run.add_argument("--port-file", default=None, help="write the bound port here once listening")
+    add_tls_flags(run)
     auth = run.add_mutually_exclusive_group(required=True)
     auth.add_argument("--keys-file", type=Path, help="JSON keys file (see `flotilla gateway-key`)")
     auth.add_argument("--no-auth", action="store_true", help="accept every request (local runs only)")
@@ -42,6 +44,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--tool-call-parser", default="auto",
                      choices=TOOL_CALL_PARSERS,
                      help="how models write tool calls (default auto: from each model's chat template)")
+    run.add_argument("--metrics-port", type=int, default=None,
+                     help="serve Prometheus /metrics on this port (0: any free port); default: not served. "
+                          "Never on the public port")
+    run.add_argument("--metrics-host", default=None, help="address of the metrics listener (default: --host)")
+    run.add_argument("--metrics-port-file", default=None, help="write the bound metrics port here")
+    hygiene = GatewaySettings()
+    for flag, kind, what in (
+            ("--header-timeout-s", float, "seconds a client has to send its request headers"),
+            ("--body-timeout-s", float, "seconds a client has, after its headers, to send its body"),
+            ("--write-timeout-s", float, "seconds a response may wait for a client that stopped reading"),
+            ("--max-header-bytes", int, "largest request line + headers"),
+            ("--max-connections", int, "open connections (past it: a bare 503)"),
+            ("--max-concurrent-requests", int, "requests in flight (past it: 503 in the dialect's shape)"),
+            ("--max-streams-per-key", int, "open streams per API key in this gateway (past it: 429)")):
+        default = getattr(hygiene, flag[2:].replace("-", "_"))
+        run.add_argument(flag, type=kind, default=default, help=f"{what} (default {default:g})")
     run.set_defaults(func=_run)
 
     key = subparsers.add_parser("gateway-key", help="generate an API key and add its digest to a keys file")
@@ -55,7 +73,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from flotilla.gateway.server import run
-    from flotilla.gateway.settings import GatewaySettings
     from flotilla.tenancy.admission_policy import AdmissionPolicy
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -68,6 +85,14 @@ def _run(args: argparse.Namespace) -> int:
                                usage_checkpoint_s=args.usage_checkpoint_s,
                                stream_resume_grace_s=args.stream_resume_grace_s,
                                tool_call_parser=args.tool_call_parser, safety_config=args.safety_config,
+                               router_tls=internal_tls(args, "gateway"),
+                               metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                               metrics_port_file=args.metrics_port_file,
+                               header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
+                               write_timeout_s=args.write_timeout_s,
+                               max_header_bytes=args.max_header_bytes, max_connections=args.max_connections,
+                               max_concurrent_requests=args.max_concurrent_requests,
+                               max_streams_per_key=args.max_streams_per_key,
                                admission=AdmissionPolicy(args.wait_budget_paid_s, args.wait_budget_free_s,
                                                          args.wait_budget_batch_s))
     if args.safety_config is not None:

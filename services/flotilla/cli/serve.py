@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from flotilla.cli.tls_flags import add_tls_flags, internal_tls
 from flotilla.rpc.serving import run_service
 from flotilla.worker.check_settings import CheckSettings
 
@@ -22,8 +23,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     worker.add_argument("--router", default=None, help="router host:port to register with")
     worker.add_argument("--worker-id", default="", help="default: worker-<random>")
     worker.add_argument("--advertise-host", default=None, help="host the router dials (default: --host)")
-    worker.add_argument("--device", default="auto")
-    worker.add_argument("--dtype", default="auto")
+    worker.add_argument("--device", default="auto", help="auto: cuda when present, else cpu")
+    worker.add_argument("--dtype", default="auto",
+                        help="auto: float32 on cpu, bfloat16 (float16 for a float16 checkpoint) on cuda")
+    worker.add_argument("--kv-cache-dtype", default="auto",
+                        help="auto: the model's dtype; float8_e4m3fn or float8_e5m2 halve the KV bytes")
+    worker.add_argument("--attention-backend", choices=("auto", "triton", "torch"), default="auto",
+                        help="auto: the Triton kernels on cuda, the torch path (and C decode kernel) on cpu")
+    worker.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on cuda")
     worker.add_argument("--block-size", type=int, default=16)
     worker.add_argument("--num-kv-blocks", type=int, default=None)
     worker.add_argument("--kv-cache-memory-bytes", type=int, default=None)
@@ -99,6 +106,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus /metrics on --host:PORT (0: any free port); default off")
     parser.add_argument("--metrics-port-file", default=None, help="write the bound metrics port here")
+    add_tls_flags(parser)
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -115,10 +123,14 @@ def run_worker(args: argparse.Namespace) -> int:
     if not args.model_dir:
         raise SystemExit("flotilla worker: --model-dir is required")
     check_model(args.model_dir, "flotilla worker")
+    tls = internal_tls(args, "worker")
     engine = EngineConfig(
         model_dir=args.model_dir,
         device=args.device,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        attention_backend=args.attention_backend,
+        cuda_graphs=not args.no_cuda_graphs,
         block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_kv_blocks=args.num_kv_blocks,
@@ -146,6 +158,7 @@ def run_worker(args: argparse.Namespace) -> int:
         output_check=CheckSettings(args.output_check_interval_s, args.output_check_busy_interval_s),
         disagg=DisaggSettings(args.role, args.min_remote_prefill_tokens, args.kv_lease_s,
                               layerwise=not args.kv_write_after_prefill),
+        tls=tls,
     )
     from flotilla.observability.setup import setup_observability
 
@@ -167,7 +180,8 @@ def run_fixed_batch_worker(args: argparse.Namespace) -> int:
             options=BatchOptions(args.max_batch_size, args.batch_latency_ms, args.model_dir, args.max_tokens,
                                  args.device),
             host=args.host, port=args.port, port_file=args.port_file, advertise_host=args.advertise_host,
-            worker_id=args.worker_id, router_address=args.router, shutdown_grace_s=args.shutdown_grace_s)
+            worker_id=args.worker_id, router_address=args.router, shutdown_grace_s=args.shutdown_grace_s,
+            tls=internal_tls(args, "worker"))
     except ValueError as err:
         raise SystemExit(f"flotilla worker: {err}") from None
     run_service(serve(config))
@@ -196,6 +210,7 @@ def run_router(args: argparse.Namespace) -> int:
                             args.batch_call_timeout_s, args.batch_max_queue_depth, args.max_queue_wait_s),
         metrics_port=args.metrics_port,
         metrics_port_file=args.metrics_port_file,
+        tls=internal_tls(args, "router"),
     )
     from flotilla.observability.setup import setup_observability
 

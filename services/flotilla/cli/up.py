@@ -45,6 +45,8 @@ DEFAULTS: dict[str, Any] = {
     # A dead service is restarted after 0.5 s, 1 s, 2 s, ...; one more death within the window stops the fleet.
     "max_restarts": 5,
     "restart_window_s": 60.0,
+    # mTLS between the services from a throwaway CA in <state_dir>/tls (fleet/certs.py) unless this is set.
+    "insecure_internal": False,
 }
 ENV_VARS = {
     "state_dir": "FLOTILLA_STATE_DIR",
@@ -79,6 +81,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--target-queued-tokens", type=int, help="--autoscale: queued tokens per worker (default 2048)")
     up.add_argument("--ttft-slo-s", type=float, help="--autoscale: p95 time-to-first-token target (default 2)")
     up.add_argument("--scale-down-cooldown-s", type=float, help="--autoscale: wait before scaling down (default 60)")
+    up.add_argument("--insecure-internal", action="store_true", default=None,
+                    help="plaintext gRPC between the services, nobody authenticated (default: mTLS, with "
+                         "certificates made in <state dir>/tls)")
     up.set_defaults(func=run_up)
 
 
@@ -106,6 +111,7 @@ def resolve_settings(args: argparse.Namespace, environ: dict[str, str] | None = 
     if settings["decode"]:
         settings["workers"] = 0  # disaggregated: no colocated workers
     settings["autoscale"] = str(settings["autoscale"]).lower() in ("1", "true", "yes")
+    settings["insecure_internal"] = str(settings["insecure_internal"]).lower() in ("1", "true", "yes")
     return settings
 
 
@@ -144,6 +150,7 @@ def run_up(args: argparse.Namespace) -> int:
             autoscale=autoscale,
             keys_file=keys_file,
             redis_url=settings["redis_url"],
+            insecure_internal=settings["insecure_internal"],
             worker_args=[str(a) for a in settings["worker_args"]],
             router_args=[str(a) for a in settings["router_args"]],
             # Without Redis the usage ledger is an append-only file next to the logs (`flotilla usage --file`).

@@ -10,11 +10,13 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from flotilla.fleet.certs import FleetCerts
 from flotilla.fleet.process import ProcessFailed, ServiceProcess
 
 if TYPE_CHECKING:
     from flotilla.autoscaling.policy import PoolPolicy
     from flotilla.autoscaler.supervisor import LocalSupervisor
+    from flotilla.rpc.certs import CertificateAuthority
     from flotilla.observability.exposition import MetricsServer
 from flotilla.rpc.options import read_port_file
 
@@ -42,7 +44,11 @@ class FleetConfig:
     # its min and max and keeps its warm workers loaded out of rotation (num_workers start active).
     autoscale: PoolPolicy | None = None
     autoscale_interval_s: float = 0.1
-    metrics: bool = True  # router and workers serve Prometheus /metrics on free ports (see metrics_targets)
+    metrics: bool = True  # gateway, router and workers serve Prometheus /metrics on free ports (metrics_targets)
+    # mTLS between the services, each with its own certificate from this CA (None: a throwaway CA kept in
+    # <state_dir>/tls/ca); insecure_internal: plaintext, nobody authenticated (fleet/certs.py).
+    ca: CertificateAuthority | None = None
+    insecure_internal: bool = False
 
 
 class LocalFleet:
@@ -58,6 +64,7 @@ class LocalFleet:
         self.lock = threading.RLock()
         self.supervisor: LocalSupervisor | None = None
         self._autoscaler_metrics: MetricsServer | None = None  # /metrics of the supervisor's gauges
+        self.certs = FleetCerts(config.state_dir, config.ca, config.insecure_internal)
 
     @property
     def model_name(self) -> str:
@@ -90,7 +97,7 @@ class LocalFleet:
 
     def _start_router(self, timeout_s: float) -> None:
         args = ["router", "--host", self.config.host, "--model", self.model_name, *self._metrics_args("router"),
-                *self.config.router_args]
+                *self.certs.args("router", "router"), *self.config.router_args]
         self.router = self._service("router", args, keep_port=True)  # workers and gateways dial this address
         self.router.start()
         self.router_address = f"{self.config.host}:{self.router.wait_port(timeout_s)}"
@@ -101,7 +108,8 @@ class LocalFleet:
         from flotilla.autoscaler.supervisor import LocalSupervisor, SupervisorConfig
 
         config = SupervisorConfig(self.model_name, self.config.autoscale, self.config.autoscale_interval_s)
-        self.supervisor = LocalSupervisor(config, RouterClient(self.router_address), FleetLauncher(self))
+        router = RouterClient(self.router_address, self.certs.client("operator", "autoscaler"))
+        self.supervisor = LocalSupervisor(config, router, FleetLauncher(self))
         if self.config.metrics:  # the supervisor runs in this process: its gauges get their own /metrics
             self._serve_autoscaler_metrics(self.supervisor)
         self.supervisor.start()
@@ -136,7 +144,8 @@ class LocalFleet:
             args = [
                 "worker", "--host", self.config.host, "--router", self.router_address, "--worker-id", name,
                 "--model-dir", str(self.config.model_dir), "--model-name", self.model_name,
-                *self._metrics_args(name), *self.config.worker_args, *(extra_args or []),
+                *self._metrics_args(name), *self.certs.args("worker", name),
+                *self.config.worker_args, *(extra_args or []),
             ]  # fmt: skip
             worker = self._service(name, args)
             worker.start()
@@ -151,7 +160,8 @@ class LocalFleet:
             auth = ["--redis-url", self.config.redis_url]
         args = [
             "gateway", "--host", self.config.host, "--port", str(self.config.gateway_port),
-            "--router", self.router_address, *auth, *self.config.gateway_args,
+            "--router", self.router_address, *auth, *self.certs.args("gateway", "gateway"), *self._metrics_args("gateway"),
+            *self.config.gateway_args,
         ]  # fmt: skip
         self.gateway = self._service("gateway", args, keep_port=True)  # clients do
         self.gateway.start()
@@ -168,14 +178,12 @@ class LocalFleet:
         return ["--metrics-port", "0", "--metrics-port-file", str(port_file)]
 
     def metrics_targets(self) -> dict[str, str]:
-        """host:port of every running service's /metrics endpoint, by service name (the gateway serves it on
-        its own port; router and workers on the ports they wrote once serving)."""
+        """host:port of every running service's /metrics endpoint, by service name (each on the metrics port it
+        wrote once serving; the gateway's is not its public port)."""
         targets = {}
-        if self.gateway is not None and self.gateway.port is not None:
-            targets["gateway"] = f"{self.config.host}:{self.gateway.port}"
         if self._autoscaler_metrics is not None:
             targets["autoscaler"] = f"{self.config.host}:{self._autoscaler_metrics.port}"
-        for service in [self.router, *self.workers]:
+        for service in [self.gateway, self.router, *self.workers]:
             port = read_port_file(self._metrics_port_file(service.name)) if service is not None else None
             if port is not None and service.is_running():
                 targets[service.name] = f"{self.config.host}:{port}"

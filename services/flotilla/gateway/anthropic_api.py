@@ -15,6 +15,7 @@ from flotilla.gateway.anthropic_schema import CountTokensRequest, MessagesReques
 from flotilla.gateway.anthropic_stream import PING, content_blocks, message_body, message_events
 from flotilla.gateway.auth import authenticate
 from flotilla.gateway.body import parse_body, read_body
+from flotilla.gateway.connection_limits import hold_stream_slot
 from flotilla.gateway.context import GatewayContext, arrival_time, dialect_endpoint, gateway_context, request_id
 from flotilla.gateway.dialects import Dialect
 from flotilla.gateway.errors import ErrorKind, GatewayError
@@ -45,6 +46,8 @@ async def create_message(request: Request) -> Response:
                                 stop=tuple(params.stop_sequences or ()), structured_output=constraint)
     prompt_ids = await tokenize(encode_prompt, model.tokenizer, params)
     check_context_window(len(prompt_ids), params.max_tokens, model.max_model_len)
+    if params.stream:
+        hold_stream_slot(request, principal)  # before admission: a refused stream holds no quota
     policy = await screen_prompt(ctx.safety, ctx.metrics, principal, model.tokenizer, prompt_ids)
     admitted = await admit(request, ctx.gatekeeper, ctx.settings.admission, Dialect.ANTHROPIC, principal,
                            request_id(request), len(prompt_ids), params.max_tokens)

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from flotilla.gateway.schema_base import RequestModel
+from flotilla.gateway.schema_base import MAX_CONTENT_BLOCKS, MAX_MESSAGES, MAX_TOOLS, RequestModel
 from flotilla.gateway.structured_params import OutputFormat
 
 
@@ -35,7 +35,7 @@ class ToolUseBlock(RequestModel):
 class ToolResultBlock(RequestModel):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[TextBlock] | None = None
+    content: str | Annotated[list[TextBlock], Field(max_length=MAX_CONTENT_BLOCKS)] | None = None
     is_error: bool | None = None
     cache_control: CacheControl | None = None
 
@@ -50,7 +50,7 @@ ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discr
 
 class InputMessage(RequestModel):
     role: Literal["user", "assistant", "system"]
-    content: str | list[ContentBlock]
+    content: str | Annotated[list[ContentBlock], Field(max_length=MAX_CONTENT_BLOCKS)]
 
 
 class Metadata(RequestModel):
@@ -81,9 +81,9 @@ class PromptParams(RequestModel):
     """What makes the prompt: the fields count_tokens takes as well."""
 
     model: str | None = None  # required by Anthropic; here the gateway's default model fills in
-    messages: list[InputMessage] = Field(min_length=1)
-    system: str | list[TextBlock] | None = None
-    tools: list[Tool] | None = None
+    messages: list[InputMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    system: str | Annotated[list[TextBlock], Field(max_length=MAX_CONTENT_BLOCKS)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     thinking: dict[str, Any] | None = None  # only {"type": "disabled"} gets here
     output_config: OutputConfig | None = None

@@ -11,7 +11,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from flotilla.gateway import anthropic_api, batch_api, health, models_api, openai_api
+from flotilla.gateway import anthropic_api, batch_api, health, models_api, openai_api, openapi
+from flotilla.gateway.connection_limits import StreamSlots
 from flotilla.gateway.context import GatewayContext, RequestContextMiddleware
 from flotilla.gateway.dialects import dialect_for_path, error_response, http_error
 from flotilla.tenancy.keys import KeyStore
@@ -40,7 +41,8 @@ def create_app(settings: GatewaySettings, backend: RouterBackend, key_store: Key
         gatekeeper = Gatekeeper(key_store.as_async(), LocalQuotaStore())
     if safety is None and settings.safety_config is not None:
         safety = SafetyConfig.load(settings.safety_config)
-    context = GatewayContext(settings, backend, registry, key_store, metrics, gatekeeper, ledger, safety)
+    context = GatewayContext(settings, backend, registry, key_store, metrics, gatekeeper, ledger,
+                             StreamSlots(settings.max_streams_per_key, settings.retry_after_s), safety)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -54,10 +56,11 @@ def create_app(settings: GatewaySettings, backend: RouterBackend, key_store: Key
                 await safety.aclose()
 
     # FastAPI's own spans are off: RequestContextMiddleware opens the request's root span (gateway.request).
-    app = FastAPI(title="Flotilla gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
-                  telemetry={"tracing": False})
+    app = FastAPI(title="Flotilla gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=openapi.OPENAPI_PATH, telemetry={"tracing": False})
     app.state.gateway = context
     _add_routes(app)
+    openapi.install(app)  # generated from the routes (openapi.py)
     app.add_exception_handler(StarletteHTTPException, _http_exception)
     app.add_middleware(RequestContextMiddleware, metrics=metrics)
     return app
@@ -74,7 +77,6 @@ def _add_routes(app: FastAPI) -> None:
     app.add_api_route("/v1/models/{model_id:path}", models_api.get_model, methods=["GET"])
     app.add_api_route("/healthz", health.healthz, methods=["GET"])
     app.add_api_route("/readyz", health.readyz, methods=["GET"])
-    app.add_api_route("/metrics", health.metrics, methods=["GET"])
 
 
 async def _http_exception(request: Request, exc: StarletteHTTPException) -> Response:

@@ -54,10 +54,10 @@ async def batch_generate(request: Request) -> Response:
         try:
             result = await until_disconnected(request, ctx.backend.batch_generate(call))
         except grpc.RpcError as err:
-            raise error_from_grpc(err) from err
+            raise error_from_grpc(err, rid) from err
         if result.HasField("error"):
             e = result.error
-            raise error_from_router(Error(e.code, e.message, e.field, e.retry_after_s))
+            raise error_from_router(Error(e.code, e.message, e.field, e.retry_after_s), rid)
         used = 1
     finally:
         if admitted.gatekeeper is not None and admitted.reservation is not None:

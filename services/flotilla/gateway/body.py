@@ -15,6 +15,7 @@ from flotilla.gateway.errors import ClientDisconnected, ErrorKind, GatewayError
 ModelT = TypeVar("ModelT", bound=pydantic.BaseModel)
 MAX_REPORTED_ERRORS = 3
 MAX_JSON_DEPTH = 64  # a JSON Schema in response_format is the deepest thing a request carries
+MAX_TEXT_CHARS = 2 << 20  # all the strings of a body together: refused before the tokenizer sees any of them
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -72,6 +73,21 @@ def decode_json(body: bytes) -> Any:
     return document
 
 
+def text_chars(document: Any) -> int:
+    """Characters in every string of a decoded document, keys included (iterative: no recursion)."""
+    total, pending = 0, [document]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, str):
+            total += len(value)
+        elif isinstance(value, dict):
+            total += sum(len(key) for key in value)
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+    return total
+
+
 def parse_body(schema: type[ModelT], body: bytes, check: Callable[[dict[str, Any]], None] | None = None) -> ModelT:
     """Malformed JSON and schema violations are both 400; `param` names the first offending field. `check`
     (field_support.py) refuses unknown and unsupported fields before the schema sees them."""
@@ -81,6 +97,9 @@ def parse_body(schema: type[ModelT], body: bytes, check: Callable[[dict[str, Any
         raise GatewayError(ErrorKind.INVALID_REQUEST, f"the request body is not valid JSON: {err}") from err
     if not isinstance(document, dict):
         raise GatewayError(ErrorKind.INVALID_REQUEST, "the request body must be a JSON object")
+    if (num_chars := text_chars(document)) > MAX_TEXT_CHARS:
+        raise GatewayError(ErrorKind.INVALID_REQUEST, f"the request's text totals {num_chars} characters, more "
+                           f"than the limit of {MAX_TEXT_CHARS}", code="text_too_long")
     if check is not None:
         check(document)
     try:

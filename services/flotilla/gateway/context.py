@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from flotilla.gateway.connection_limits import StreamSlots, release_stream_slot
 from flotilla.gateway.dialects import Dialect, error_response
 from flotilla.gateway.errors import ClientDisconnected, ErrorKind, GatewayError
 from flotilla.tenancy.keys import KeyStore
@@ -40,6 +41,7 @@ class GatewayContext:
     metrics: GatewayMetrics
     gatekeeper: Gatekeeper | None = None  # tenancy: keys, quotas, Redis-down policy; None = auth off
     ledger: UsageLedger | None = None  # usage records (usage_meter.py); None = off
+    stream_slots: StreamSlots | None = None  # open streams per key (connection_limits.py); None = uncapped
     safety: SafetyConfig | None = None  # safety policies (safety/); None = nothing screened
 
 
@@ -71,8 +73,10 @@ def dialect_endpoint(dialect: Dialect) -> Callable:
                 return Response(status_code=CLIENT_CLOSED_STATUS)
             except Exception:
                 log.exception("unhandled error in %s (request %s)", request.url.path, request_id(request))
-                return _rejected(ctx, dialect, GatewayError(ErrorKind.INTERNAL, "internal error"))
+                return _rejected(ctx, dialect, GatewayError(ErrorKind.INTERNAL,
+                                                            f"internal error (request {request_id(request)})"))
 
+        endpoint.dialect = dialect  # its error shape, which /openapi.json documents (openapi.py)
         return endpoint
 
     return decorate
@@ -113,6 +117,7 @@ class RequestContextMiddleware:
             try:
                 await self.app(scope, receive, send_with_id)
             finally:
+                release_stream_slot(scope)
                 route = _route_label(scope)
                 self.metrics.requests.labels(route, scope["method"], str(status)).inc()
                 self.metrics.request_seconds.labels(route).observe(time.perf_counter() - scope["flotilla.arrival"])

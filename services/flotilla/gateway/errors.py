@@ -105,11 +105,22 @@ def error_from_router(error: Error, request_id: str = "") -> GatewayError:
                         retry_after_s=error.retry_after_s or None)
 
 
-def error_from_grpc(err: grpc.RpcError) -> GatewayError:
+def error_from_grpc(err: grpc.RpcError, request_id: str = "") -> GatewayError:
+    """A failed call to the router. Its status and details (which can name workers and versions) go to the log
+    with the request id; the client gets the kind and that id."""
     status = err.code() if hasattr(err, "code") else None
     kind = _GRPC_CODES.get(status, ErrorKind.INTERNAL)
+    details = err.details() if hasattr(err, "details") else str(err)
+    log.warning("request %s: router call failed: %s %s", request_id or "-", status, details)
     if kind is ErrorKind.UNAVAILABLE:
         return GatewayError(kind, "the router is unavailable; retry later", code="unavailable")
-    details = err.details() if hasattr(err, "details") else str(err)
-    log.warning("router call failed: %s %s", status, details)
-    return GatewayError(kind, f"the router call failed ({status.name if status is not None else 'error'})")
+    suffix = f" (request {request_id})" if request_id else ""
+    return GatewayError(kind, _GRPC_MESSAGES.get(kind, "the request failed inside the fleet") + suffix)
+
+
+_GRPC_MESSAGES = {
+    ErrorKind.OVERLOADED: "the fleet is overloaded; retry later",
+    ErrorKind.TIMEOUT: "the request's deadline passed inside the fleet",
+    ErrorKind.NOT_FOUND: "model not found: it is not, or no longer, served",
+    ErrorKind.INVALID_REQUEST: "the fleet refused this request as invalid",
+}

@@ -191,7 +191,7 @@ class RouterEvents:
         except StopAsyncIteration:
             raise await self._fail(GatewayError(ErrorKind.INTERNAL, "the router closed the stream without a result"))
         except grpc.RpcError as err:
-            raise await self._fail(error_from_grpc(err), cause=err) from err
+            raise await self._fail(error_from_grpc(err, self._job.request_id), cause=err) from err
         except BaseException:  # cancelled: the client went away
             await self.aclose()
             raise

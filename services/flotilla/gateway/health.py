@@ -1,4 +1,5 @@
-"""Probes and metrics: /healthz (process alive), /readyz (router reachable, >= 1 model), /metrics.
+"""Probes: /healthz (process alive), /readyz (router reachable, >= 1 model). /metrics is on its own listener
+(server.py), never on the public port.
 
 Both probes say "degraded" while Redis (keys, quotas) is unreachable; /readyz then answers 503 when the
 gateway fails closed (it refuses keyed requests), 200 when it fails open.
@@ -40,7 +41,3 @@ async def readyz(request: Request) -> Response:
                             status_code=status_code)
     return JSONResponse({"status": "ready", "models": [m.name for m in models]})
 
-
-async def metrics(request: Request) -> Response:
-    registry = gateway_context(request).metrics
-    return Response(registry.exposition(), media_type=registry.content_type)

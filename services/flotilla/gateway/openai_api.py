@@ -16,6 +16,7 @@ from flotilla.gateway import field_support, openai_logprobs
 from flotilla.gateway.admission import admit
 from flotilla.gateway.auth import Principal, authenticate
 from flotilla.gateway.body import parse_body, read_body
+from flotilla.gateway.connection_limits import hold_stream_slot
 from flotilla.gateway.context import GatewayContext, arrival_time, dialect_endpoint, gateway_context, request_id
 from flotilla.gateway.dialects import Dialect, error_body
 from flotilla.gateway.errors import ErrorKind, GatewayError
@@ -143,6 +144,8 @@ async def _generate(request: Request, ctx: GatewayContext, plan: Plan) -> Respon
                                 stop=params.stop_list, logprobs=plan.num_logprobs, ignore_eos=params.ignore_eos,
                                 structured_output=plan.constraint)
     check_context_window(len(plan.prompt_ids), sampling.max_tokens, plan.model.max_model_len)
+    if params.stream:
+        hold_stream_slot(request, plan.principal)  # before admission: a refused stream holds no quota
     policy = await screen_prompt(ctx.safety, ctx.metrics, plan.principal, plan.model.tokenizer, plan.prompt_ids)
     admitted = await admit(request, ctx.gatekeeper, ctx.settings.admission, Dialect.OPENAI, plan.principal,
                            request_id(request), len(plan.prompt_ids), sampling.max_tokens)

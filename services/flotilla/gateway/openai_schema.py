@@ -3,11 +3,12 @@ What each field does is in field_support.py."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from flotilla.gateway.schema_base import RequestModel
+from flotilla.gateway.schema_base import (MAX_CONTENT_BLOCKS, MAX_MESSAGES, MAX_PROMPT_TOKEN_IDS, MAX_TOOLS,
+                                           RequestModel)
 from flotilla.gateway.structured_params import GuidedParams
 
 
@@ -35,9 +36,9 @@ class ToolCall(RequestModel):
 
 class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_BLOCKS)] | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None  # assistant
     tool_call_id: str | None = None  # tool
     refusal: str | None = None  # assistant: rendered as its text when there is no content
 
@@ -104,11 +105,11 @@ class CommonParams(GuidedParams):
 
 
 class ChatCompletionRequest(CommonParams):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[FunctionTool] | None = None
+    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     modalities: list[Literal["text"]] | None = None
@@ -131,7 +132,8 @@ class ChatCompletionRequest(CommonParams):
 
 
 class CompletionRequest(CommonParams):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (str | list[str] | Annotated[list[int], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
+             | list[Annotated[list[int], Field(max_length=MAX_PROMPT_TOKEN_IDS)]])
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
     best_of: int | None = None

@@ -13,6 +13,7 @@ from flotilla.rpc.convert import stream_event
 from flotilla.rpc.batch_session import BatchSessionClient
 from flotilla.rpc.model_assets import receive_assets
 from flotilla.rpc.options import aio_channel
+from flotilla.rpc.tls import InternalTLS
 from flotilla.rpc.session_client import SessionClient, SessionStream
 from flotilla.rpc.stream_events import StreamEvent
 
@@ -77,10 +78,11 @@ def merge_chunk(into: common.TokenChunk, following: common.TokenChunk) -> None:
 class RouterClient:
     """RouterService client. Closing a generate() iterator cancels the call, which aborts the request."""
 
-    def __init__(self, address: str, list_timeout_s: float = 5.0):
+    def __init__(self, address: str, list_timeout_s: float = 5.0, tls: InternalTLS | None = None):
         self.address = address
         self._list_timeout_s = list_timeout_s
-        self._channel = aio_channel(address)  # keepalive finds a dead router; 64 MiB messages (long prompts)
+        # keepalive finds a dead router; 64 MiB messages (long prompts)
+        self._channel = aio_channel(address, tls, "router")
         self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
         # Every request's stream rides one GenerateSession call: a step's tokens for all of them arrive
         # in one message instead of one message per request.

@@ -8,7 +8,9 @@ import socket
 import uvicorn
 
 from flotilla.gateway.app import create_app
+from flotilla.gateway.connection_limits import ConcurrencyLimit, deadline_protocol
 from flotilla.gateway.fault_tolerance import FaultTolerance
+from flotilla.gateway.metrics import GatewayMetrics
 from flotilla.tenancy.keys import KeyStore
 from flotilla.gateway.router_client import RouterClient
 from flotilla.gateway.settings import GatewaySettings
@@ -34,18 +36,37 @@ def load_gatekeeper(settings: GatewaySettings) -> Gatekeeper | None:
     return open_gatekeeper(None, str(settings.keys_file))
 
 
+def uvicorn_config(app, settings: GatewaySettings, **options) -> uvicorn.Config:
+    """uvicorn for the public port: h11 with read deadlines, bounded headers, connections and requests in flight
+    (connection_limits.py). `app` is the whole ASGI app, its middlewares installed."""
+    guarded = ConcurrencyLimit(app, settings.max_concurrent_requests, settings.retry_after_s)
+    return uvicorn.Config(guarded, host=settings.host, port=settings.port, lifespan="on",
+                          http=deadline_protocol(settings.header_timeout_s, settings.body_timeout_s,
+                                                settings.write_timeout_s),
+                          h11_max_incomplete_event_size=settings.max_header_bytes,
+                          limit_concurrency=settings.max_connections, **options)
+
+
 async def serve(settings: GatewaySettings, sockets: list[socket.socket] | None = None) -> None:
     """Serve until interrupted; `sockets` lets a caller bind first (port 0, tests)."""
     gatekeeper = load_gatekeeper(settings)
-    backend = RouterClient(settings.router_address, settings.router_timeout_s)
+    backend = RouterClient(settings.router_address, settings.router_timeout_s, settings.router_tls)
     tolerance = FaultTolerance.open(settings)  # usage ledger, idempotency, resumable streams
+    metrics = GatewayMetrics()
+    metrics_server = None
     try:
-        app = create_app(settings, backend, None, gatekeeper=gatekeeper, ledger=tolerance.ledger)
+        app = create_app(settings, backend, None, metrics=metrics, gatekeeper=gatekeeper, ledger=tolerance.ledger)
         tolerance.install(app)
-        config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
-                                timeout_graceful_shutdown=5, lifespan="on")
+        if settings.metrics_port is not None:
+            from flotilla.observability.exposition import serve_metrics
+
+            metrics_server = serve_metrics(metrics.registry, settings.metrics_host or settings.host,
+                                           settings.metrics_port, settings.metrics_port_file)
+        config = uvicorn_config(app, settings, log_level="info", timeout_graceful_shutdown=5)
         await uvicorn.Server(config).serve(sockets=sockets)
     finally:
+        if metrics_server is not None:
+            metrics_server.stop()
         await backend.close()
         await tolerance.close()
         if gatekeeper is not None:

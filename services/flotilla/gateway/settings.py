@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flotilla.rpc.tls import InternalTLS
 from flotilla.tenancy.admission_policy import AdmissionPolicy
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -35,6 +36,24 @@ class GatewaySettings:
     idempotency_ttl_s: float = 24 * 3600.0
     stream_resume_grace_s: float = 30.0
     tool_call_parser: str = "auto"  # how models write tool calls: "auto" (from each chat template) or a syntax name
+    router_tls: InternalTLS | None = None  # mTLS to the router (the gateway's certificate); None: insecure
+    # Connection hygiene (connection_limits.py): a client has header_timeout_s from connecting (or from the end of
+    # its previous response) to finish its request headers, body_timeout_s after them to finish its body, and
+    # write_timeout_s to take a response's bytes once the buffers are full; else the connection is aborted. Past max_connections open connections uvicorn answers a bare 503; past
+    # max_concurrent_requests in flight, and past max_streams_per_key open streams of one key (per gateway
+    # process), the gateway answers 503 / 429 in the dialect's shape.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    write_timeout_s: float = 30.0  # a response whose client stopped reading (buffers full) is cut after this long
+    max_header_bytes: int = 16 * 1024
+    max_connections: int = 4096
+    max_concurrent_requests: int = 1024
+    max_streams_per_key: int = 64
+    # Prometheus /metrics on its own listener (host:metrics_port, 0 = any free port); None: not served. Never on
+    # the public port: its labels name models, routes and tiers.
+    metrics_port: int | None = None
+    metrics_host: str | None = None  # None: the public host
+    metrics_port_file: str | None = None
     safety_config: Path | None = None  # safety policies (JSON, safety/config.py); None: nothing is screened
 
     def __post_init__(self) -> None:
@@ -48,5 +67,11 @@ class GatewaySettings:
             raise ValueError(f"redis_fail_mode must be 'open' or 'closed', got {self.redis_fail_mode!r}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
+        for name in ("header_timeout_s", "body_timeout_s", "write_timeout_s", "max_header_bytes", "max_connections",
+                     "max_concurrent_requests", "max_streams_per_key"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")

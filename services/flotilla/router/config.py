@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from flotilla.router.batch_dispatcher import BatchSettings
 from flotilla.router.placement import PlacementLimits
+from flotilla.rpc.tls import InternalTLS
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class RouterConfig:
     shutdown_grace_s: float = 5.0
     metrics_port: int | None = None  # Prometheus /metrics on host:port (0 = any free port); None = off
     metrics_port_file: str | None = None  # where the bound metrics port is written
+    tls: InternalTLS | None = None  # mTLS for its server and its channels to workers; None: insecure
 
     def validate(self) -> None:
         if self.heartbeat_interval_s <= 0 or self.heartbeat_timeout_s <= self.heartbeat_interval_s:

@@ -47,6 +47,9 @@ class WorkerEntry:
     num_released_since_report: int = 0  # relays ended since the last report (which may still count them)
     was_healthy: bool = True  # for logging health transitions once
     state: int = rpb.WORKER_STATE_ACTIVE  # warm and draining workers get no new work (autoscaler)
+    # The certificate identity that registered this worker id: only it may heartbeat, re-register or
+    # deregister the id while the router knows it ("" on an insecure router).
+    owner: str = ""
     _session: SessionClient | None = None  # Generate streams multiplexed on one call (rpc/session_client.py)
     _batch_stub: worker_pb2_grpc.FixedBatchServiceStub | None = None
 
@@ -104,8 +107,9 @@ class WorkerRegistry:
         self.assets = ModelAssetStore()
 
     # ---- membership --------------------------------------------------------------------------------
-    def register(self, info: rpb.WorkerInfo) -> WorkerEntry:
-        """Add a worker, or replace one with the same id (a restart may bring other weights or a port)."""
+    def register(self, info: rpb.WorkerInfo, owner: str = "") -> WorkerEntry:
+        """Add a worker, or replace one with the same id (a restart may bring other weights or a port).
+        The caller has checked that `owner` may (owner_of)."""
         old = self._workers.get(info.worker_id)
         now = self._clock()
         if old is not None and old.info.address == info.address:
@@ -115,7 +119,7 @@ class WorkerRegistry:
                 self._closing.append(old)
             channel = self._channel_factory(info.address)
             stub = worker_pb2_grpc.WorkerServiceStub(channel)
-        entry = WorkerEntry(rpb.WorkerInfo(), channel, stub, registered_at=now, last_heartbeat=now)
+        entry = WorkerEntry(rpb.WorkerInfo(), channel, stub, registered_at=now, last_heartbeat=now, owner=owner)
         entry.info.CopyFrom(info)
         if old is not None and old.channel is channel:
             entry.num_inflight = old.num_inflight
@@ -133,6 +137,11 @@ class WorkerRegistry:
         logger.info("worker %s registered: %s@%s at %s", info.worker_id, entry.model_name, entry.version,
                     info.address)
         return entry
+
+    def owner_of(self, worker_id: str) -> str | None:
+        """The identity bound to a known worker id; None for an id the router does not know."""
+        entry = self._workers.get(worker_id)
+        return entry.owner if entry is not None else None
 
     def heartbeat(self, worker_id: str, report: pb.LoadReport) -> bool:
         """Record a load report; False when the worker is unknown (it must register again)."""
@@ -300,10 +309,16 @@ class WorkerRegistry:
         return None
 
     def status(self, entry: WorkerEntry) -> rpb.WorkerStatus:
+        """What ListWorkers shows: the load without request ids or prefix-cache hashes (what requests run and
+        which prompts were seen are the router's to know, not its callers')."""
+        load = pb.LoadReport()
+        load.CopyFrom(entry.report)
+        load.ClearField("active_request_ids")
+        load.ClearField("cached_block_hashes")
         return rpb.WorkerStatus(
             worker=entry.info,
             healthy=self.is_healthy(entry),
-            load=entry.report,
+            load=load,
             seconds_since_heartbeat=self._clock() - entry.last_heartbeat,
             state=entry.state,
             num_inflight=entry.num_inflight,

@@ -15,7 +15,8 @@ from flotilla.router.registry import WorkerRegistry
 from flotilla.observability.exposition import serve_metrics
 from flotilla.router.service import RouterService
 from flotilla.router.telemetry import RouterMetrics
-from flotilla.rpc.options import aio_server, bind
+from flotilla.router.access import ROUTER_POLICY
+from flotilla.rpc.options import aio_channel, aio_server, bind
 from flotilla.rpc.serving import announce, stop_on_signals
 
 logger = logging.getLogger(__name__)
@@ -27,7 +28,8 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     if stop is None:
         stop = asyncio.Event()
         stop_on_signals(stop)
-    registry = WorkerRegistry(config.heartbeat_timeout_s, config.evict_after_s)
+    registry = WorkerRegistry(config.heartbeat_timeout_s, config.evict_after_s,
+                              channel_factory=lambda address: aio_channel(address, config.tls, "worker"))
     admission = Admission(
         registry,
         config.aliases,
@@ -37,13 +39,13 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         config.max_queue_wait_s,
     )
     batches = BatchDispatcher(registry, config.batch, frozenset(config.model_names))
-    server = aio_server()
+    server = aio_server(config.tls, ROUTER_POLICY)
     metrics = RouterMetrics()
     router_pb2_grpc.add_RouterServiceServicer_to_server(
         RouterService(registry, admission, dict(config.aliases), config.heartbeat_interval_s, metrics, batches),
         server,
     )
-    port = bind(server, config.host, config.port)
+    port = bind(server, config.host, config.port, config.tls)
     await server.start()
     sweeper = asyncio.create_task(_sweep_forever(registry, config.heartbeat_timeout_s / 4))
     dispatcher = asyncio.create_task(batches.run_forever())

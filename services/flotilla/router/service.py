@@ -15,6 +15,7 @@ from flotilla.rpc.convert import error_response, stream_event
 from flotilla.rpc.batch_session import serve_batch_session
 from flotilla.rpc.model_assets import MalformedAssetsError, asset_chunks, receive_assets
 from flotilla.rpc.session_server import serve_session
+from flotilla.rpc.tls import peer_identity
 from flotilla.rpc.stream_events import Chunk, StreamEvent
 from flotilla.router.admission import Admission, Placement, RouterError, Ticket
 from flotilla.router.batch_dispatcher import BatchDispatcher
@@ -248,7 +249,8 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         info = request.worker
         if not info.worker_id or not info.address or not info.model.name or not info.model.version:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker_id, address and model name/version needed")
-        self._registry.register(info)
+        owner = await self._owning_caller(info.worker_id, context)
+        self._registry.register(info, owner)
         self._membership_changed()
         digest = info.model.assets_digest
         return rpb.RegisterWorkerResponse(heartbeat_interval_ms=self._heartbeat_interval_ms,
@@ -273,6 +275,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
     async def Heartbeat(
         self, request: rpb.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> rpb.HeartbeatResponse:
+        await self._owning_caller(request.worker_id, context)
         known = self._registry.heartbeat(request.worker_id, request.load)
         if known:
             self._membership_changed()
@@ -281,8 +284,22 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
     async def DeregisterWorker(
         self, request: rpb.DeregisterWorkerRequest, context: grpc.aio.ServicerContext
     ) -> rpb.DeregisterWorkerResponse:
+        await self._owning_caller(request.worker_id, context)
         self._registry.deregister(request.worker_id)
         return rpb.DeregisterWorkerResponse()
+
+    async def _owning_caller(self, worker_id: str, context: grpc.aio.ServicerContext) -> str:
+        """The caller's identity, once it is sure to be the one bound to `worker_id` (or the id is free):
+        another identity cannot take a registered worker's id over, nor speak for it."""
+        identity = peer_identity(context)
+        caller = str(identity) if identity is not None else ""
+        owner = self._registry.owner_of(worker_id)
+        if owner is not None and owner != caller:
+            logger.warning("refused %s for worker id %s, which %s registered", caller or "a plaintext caller",
+                           worker_id, owner or "a plaintext caller")
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"worker id {worker_id} is registered by another identity")
+        return caller
 
     async def ListWorkers(
         self, request: rpb.ListWorkersRequest, context: grpc.aio.ServicerContext

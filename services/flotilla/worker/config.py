@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flotilla.engine.config import EngineConfig
+from flotilla.rpc.tls import InternalTLS
 from flotilla.worker.kv_settings import DisaggSettings
 from flotilla.worker.check_settings import CheckSettings
 
@@ -30,6 +31,7 @@ class WorkerConfig:
     metrics_port: int | None = None  # Prometheus /metrics on host:port (0 = any free port); None = off
     metrics_port_file: str | None = None  # where the bound metrics port is written
     output_check: CheckSettings = field(default_factory=CheckSettings)  # golden-output health (output_check.py)
+    tls: InternalTLS | None = None  # mTLS for its server and its channels (router, KV peers); None: insecure
 
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"worker-{uuid.uuid4().hex[:8]}"

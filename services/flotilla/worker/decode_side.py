@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
-import uuid
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
@@ -64,7 +64,9 @@ class DecodeSide:
         reservation: KVReservation | None = await handoff.engine.call(lambda llm: try_reserve(llm, new, min_tokens))
         if reservation is None:
             return None
-        transfer_id = f"{gen.request_id}.{uuid.uuid4().hex[:8]}"
+        # Unguessable: it is the only proof a peer has of taking part in this hand-off (GetTransferInfo,
+        # write notifications, AbortRemotePrefill), and names only this request's reserved blocks.
+        transfer_id = secrets.token_urlsafe(24)
         handoff.incoming[transfer_id] = reservation
         span = telemetry.kv_transfer_span() if telemetry is not None else trace.INVALID_SPAN
         span.set_attribute("flotilla.kv_transfer.prefill_worker", prefill_address)

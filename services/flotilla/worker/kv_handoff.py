@@ -19,6 +19,7 @@ from flotilla.kv_transfer.layout import KVPoolLayout, PeerInfo
 from flotilla.kv_transfer.nixl_transport import NixlTransport
 from flotilla.kv_transfer.transport import KVTransport
 from flotilla.rpc.options import aio_channel
+from flotilla.rpc.tls import InternalTLS
 from flotilla.worker.kv_settings import DisaggSettings
 
 
@@ -39,19 +40,22 @@ class KVHandoff:
     sender: KVSender
     counters: HandoffCounters = field(default_factory=HandoffCounters)
     incoming: dict[str, KVReservation] = field(default_factory=dict)  # decode side: transfer id -> reservation
-    outgoing: set[str] = field(default_factory=set)  # prefill side: transfer ids in flight
+    # Prefill side: transfer id in flight -> the identity of the decode worker that asked for it.
+    outgoing: dict[str, str] = field(default_factory=dict)
+    tls: InternalTLS | None = None  # for channels to peers (workers)
     _channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)
     _peer_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
 
     @classmethod
-    async def start(cls, engine: AsyncEngine, settings: DisaggSettings, worker_id: str) -> KVHandoff:
+    async def start(cls, engine: AsyncEngine, settings: DisaggSettings, worker_id: str,
+                    tls: InternalTLS | None = None) -> KVHandoff:
         pool = kv_pool_tensor(engine.engine.runner.kv_caches)
         transport = await asyncio.to_thread(NixlTransport, pool, f"{worker_id}-{uuid.uuid4().hex[:8]}")
         arrivals = ArrivalTracker()
         transport.set_notif_handler(arrivals.on_notif)
         sender = KVSender(transport, engine.engine.config.block_size, settings.layerwise, settings.lease_s)
         await engine.call(lambda llm: setattr(llm.runner, "kv_hook", sender))
-        return cls(engine, settings, transport, arrivals, sender)
+        return cls(engine, settings, transport, arrivals, sender, tls=tls)
 
     async def close(self) -> None:
         for channel in self._channels.values():
@@ -61,7 +65,7 @@ class KVHandoff:
     def peer_stub(self, address: str) -> kv_transfer_pb2_grpc.KVTransferServiceStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = aio_channel(address)
+            channel = self._channels[address] = aio_channel(address, self.tls, "worker")
         return kv_transfer_pb2_grpc.KVTransferServiceStub(channel)
 
     def transfer_info(self) -> kpb.TransferInfo:
@@ -78,15 +82,17 @@ class KVHandoff:
             model_version=self.engine.engine.model_version,
         )  # fmt: skip
 
-    async def ensure_peer(self, agent_name: str, address: str, timeout_s: float) -> None:
-        """Connect to a decode worker's agent once; later hand-offs reuse the cached connection."""
+    async def ensure_peer(self, agent_name: str, address: str, transfer_id: str, timeout_s: float) -> None:
+        """Connect to a decode worker's agent once; later hand-offs reuse the cached connection. The decode
+        worker tells its metadata only for a hand-off in flight (`transfer_id`)."""
         if self.transport.is_connected(agent_name):
             return
         lock = self._peer_locks.setdefault(agent_name, asyncio.Lock())
         async with lock:
             if self.transport.is_connected(agent_name):
                 return
-            info = await self.peer_stub(address).GetTransferInfo(kpb.GetTransferInfoRequest(), timeout=timeout_s)
+            info = await self.peer_stub(address).GetTransferInfo(kpb.GetTransferInfoRequest(transfer_id=transfer_id),
+                                                                 timeout=timeout_s)  # fmt: skip
             if info.agent_name != agent_name:
                 raise ValueError(f"{address} is agent {info.agent_name}, not {agent_name} (restarted?)")
             if info.model_version != self.engine.engine.model_version:

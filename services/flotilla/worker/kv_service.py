@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import logging
 
+import grpc
+
 from flotilla.api.kvtransfer.v1 import kv_transfer_pb2 as kpb
 from flotilla.api.kvtransfer.v1 import kv_transfer_pb2_grpc
 from flotilla.engine.engine import LLMEngine
 from flotilla.engine.kv_cache_manager import KVCacheIntegrityError
 from flotilla.worker.kv_handoff import KVHandoff
+from flotilla.rpc.tls import peer_identity
 from flotilla.worker.prefill_side import PrefillSide
 from flotilla.worker.service import WorkerService
 
@@ -21,14 +24,17 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
         self._handoff = handoff
         self._prefill = PrefillSide(handoff, worker.metrics.kv_transfer, worker.model.name)
 
-    async def GetTransferInfo(self, request, context) -> kpb.TransferInfo:
+    async def GetTransferInfo(self, request: kpb.GetTransferInfoRequest, context) -> kpb.TransferInfo:
+        # The pool's NIXL metadata lets a peer write into it: only for a hand-off this worker started.
+        if not request.transfer_id or request.transfer_id not in self._handoff.incoming:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "no hand-off in flight with that transfer id")
         return self._handoff.transfer_info()
 
     async def RemotePrefill(self, request: kpb.RemotePrefillRequest, context) -> kpb.RemotePrefillResponse:
-        return await self._prefill.remote_prefill(request, context)
+        return await self._prefill.remote_prefill(request, context, _caller(context))
 
     async def AbortRemotePrefill(self, request, context) -> kpb.AbortRemotePrefillResponse:
-        return await self._prefill.abort(request)
+        return await self._prefill.abort(request, _caller(context))
 
     async def GetKVState(self, request, context) -> kpb.KVState:
         handoff = self._handoff
@@ -42,6 +48,11 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
         state.num_bytes_sent = counters.num_bytes_sent
         state.num_local_fallbacks = counters.num_local_fallbacks
         return state
+
+
+def _caller(context: grpc.aio.ServicerContext) -> str:
+    identity = peer_identity(context)
+    return str(identity) if identity is not None else ""
 
 
 def kv_state(engine: LLMEngine, reserved_request_ids: list[str]) -> kpb.KVState:

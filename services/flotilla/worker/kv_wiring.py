@@ -12,6 +12,7 @@ from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.kvtransfer.v1 import kv_transfer_pb2_grpc
 from flotilla.engine.async_engine import AsyncEngine
 from flotilla.rpc.options import address
+from flotilla.rpc.tls import InternalTLS
 from flotilla.worker.decode_side import DecodeSide
 from flotilla.worker.kv_handoff import KVHandoff
 from flotilla.worker.kv_service import KVTransferServicer
@@ -41,13 +42,14 @@ class KVWiring:
 
 
 async def attach_kv_transfer(
-    settings: DisaggSettings, engine: AsyncEngine, server: grpc.aio.Server, worker: WorkerService, host: str, port: int
+    settings: DisaggSettings, engine: AsyncEngine, server: grpc.aio.Server, worker: WorkerService, host: str, port: int,
+    tls: InternalTLS | None = None,
 ) -> KVWiring:
     """Call after bind() and before server.start()."""
     settings.validate()
     handoff = None
     if settings.transfers_kv:
-        handoff = await KVHandoff.start(engine, settings, worker.worker_id)
+        handoff = await KVHandoff.start(engine, settings, worker.worker_id, tls)
         worker.decode_side = DecodeSide(handoff, address(host, port), worker.metrics.kv_transfer, worker.model.name)
         kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server(KVTransferServicer(handoff, worker), server)
     reporter = PrefixReporter(engine)

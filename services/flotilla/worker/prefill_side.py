@@ -35,20 +35,29 @@ class PrefillSide:
         self._model = model
 
     async def remote_prefill(
-        self, request: kpb.RemotePrefillRequest, context: grpc.aio.ServicerContext
+        self, request: kpb.RemotePrefillRequest, context: grpc.aio.ServicerContext, caller: str = ""
     ) -> kpb.RemotePrefillResponse:
+        """`caller`: the decode worker's identity; only it may abort this hand-off."""
         handoff, gen = self._handoff, request.request
         transfer_id = request.transfer_id
+        refusal = _check_target(request, handoff.outgoing)
+        if refusal:
+            return _failed(pb.ERROR_CODE_INVALID_REQUEST, *refusal)
+        handoff.outgoing[transfer_id] = caller  # before any await: a second call with this id is refused
         started = time.perf_counter()
         try:
-            await handoff.ensure_peer(request.decode_agent_name, request.decode_worker_address, request.lease_s or 30)
+            await handoff.ensure_peer(request.decode_agent_name, request.decode_worker_address, transfer_id,
+                                      request.lease_s or 30)  # fmt: skip
         except (grpc.aio.AioRpcError, ValueError, RuntimeError) as exc:
+            handoff.outgoing.pop(transfer_id, None)
             return _failed(pb.ERROR_CODE_UNAVAILABLE, f"cannot reach decode worker: {exc}")
+        except BaseException:
+            handoff.outgoing.pop(transfer_id, None)
+            raise
         target = RemoteTarget(transfer_id, request.decode_agent_name, list(request.dst_block_ids),
                               request.first_block_index)  # fmt: skip
         # The engine request is keyed by the transfer id: a retried request id never collides here.
         handoff.sender.add_target(transfer_id, target)
-        handoff.outgoing.add(transfer_id)
         try:
             first = await self._run_prefill(transfer_id, gen)
         except InvalidRequestError as exc:
@@ -57,7 +66,7 @@ class PrefillSide:
             return _failed(pb.ERROR_CODE_UNAVAILABLE, str(exc))
         finally:
             handoff.sender.pop_target(transfer_id)
-            handoff.outgoing.discard(transfer_id)
+            handoff.outgoing.pop(transfer_id, None)
         if target.error is not None or first is None or not first.new_token_ids:
             handoff.counters.num_failed += 1
             return _failed(pb.ERROR_CODE_UNAVAILABLE, f"KV hand-off failed: {target.error or 'prefill aborted'}")
@@ -88,14 +97,32 @@ class PrefillSide:
             stream.close()
         return first
 
-    async def abort(self, request: kpb.AbortRemotePrefillRequest) -> kpb.AbortRemotePrefillResponse:
-        """Answered once the engine dropped the request: between steps, so no write of it is in flight."""
+    async def abort(self, request: kpb.AbortRemotePrefillRequest, caller: str = "") -> kpb.AbortRemotePrefillResponse:
+        """Answered once the engine dropped the request: between steps, so no write of it is in flight. Only
+        the decode worker that asked for the hand-off may stop it."""
+        owner = self._handoff.outgoing.get(request.transfer_id)
+        if owner is not None and owner != caller:
+            logger.warning("refused AbortRemotePrefill of a hand-off of %s to %s", owner, caller)
+            return kpb.AbortRemotePrefillResponse(found=False)
         self._handoff.sender.pop_target(request.transfer_id)
         try:
             found = await self._handoff.engine.abort(request.transfer_id)
         except EngineDeadError:
             found = False
         return kpb.AbortRemotePrefillResponse(found=found)
+
+
+def _check_target(request: kpb.RemotePrefillRequest, in_flight: dict[str, str]) -> tuple[str, str] | None:
+    """None when the hand-off may start; else (why not, the field). Writes go only to the blocks the decode
+    worker reserved for this transfer: each named once (the pool's bounds are checked per write,
+    kv_transfer/layout.py)."""
+    if len(request.transfer_id) < 16:
+        return "must be an unguessable token", "transfer_id"
+    if request.transfer_id in in_flight:
+        return "already in flight", "transfer_id"
+    if len(set(request.dst_block_ids)) != len(request.dst_block_ids):
+        return "must not repeat a block", "dst_block_ids"
+    return None
 
 
 def _failed(code: int, message: str, field: str = "") -> kpb.RemotePrefillResponse:

@@ -16,6 +16,7 @@ from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.router.v1 import router_pb2_grpc
 from flotilla.rpc.model_assets import asset_chunks
 from flotilla.rpc.options import aio_channel
+from flotilla.rpc.tls import InternalTLS
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +32,9 @@ class RouterLink:
         current_load: Callable[[], pb.LoadReport],
         heartbeat_interval_s: float = 0.25,
         tokenizer_files: Mapping[str, bytes] | None = None,
+        tls: InternalTLS | None = None,
     ):
-        self._channel = aio_channel(router_address)
+        self._channel = aio_channel(router_address, tls, "router")
         self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
         self._worker = worker
         self._current_load = current_load

@@ -15,6 +15,7 @@ from flotilla.observability.exposition import serve_metrics
 from flotilla.rpc.options import address, aio_server, bind
 from flotilla.rpc.serving import announce, stop_on_signals
 from flotilla.engine.tokenizer_files import files_digest, read_tokenizer_files
+from flotilla.worker.access import WORKER_POLICY
 from flotilla.worker.config import WorkerConfig
 from flotilla.worker.kv_wiring import attach_kv_transfer, role_proto
 from flotilla.worker.output_check import OutputCheck
@@ -43,14 +44,14 @@ async def serve(
     model = model_info(engine, config.resolved_model_name(), files_digest(tokenizer_files))
     metrics = WorkerMetrics()
     metrics.watch_engine(engine.stats, model.name, worker_id)
-    server = aio_server()
+    server = aio_server(config.tls, WORKER_POLICY)
     worker_service = WorkerService(engine, worker_id, model, metrics)
     output_check = await _start_output_check(config, engine, metrics)
     worker_service.output_check = output_check
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(worker_service, server)
-    port = bind(server, config.host, config.port)
+    port = bind(server, config.host, config.port, config.tls)
     kv = await attach_kv_transfer(config.disagg, engine, server, worker_service, config.advertise_host or config.host,
-                                  port)  # fmt: skip
+                                  port, config.tls)  # fmt: skip
     await server.start()
     link = _router_link(config, worker_id, model, tokenizer_files, port,
                         lambda: _with_check(kv.decorate(current_load(engine)), output_check))
@@ -104,6 +105,7 @@ def _router_link(
         role=role_proto(config.disagg),
         model=model,
     )
-    link = RouterLink(config.router_address, info, current_load, config.heartbeat_interval_s, tokenizer_files)
+    link = RouterLink(config.router_address, info, current_load, config.heartbeat_interval_s, tokenizer_files,
+                      config.tls)
     link.start()
     return link

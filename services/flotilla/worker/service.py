@@ -23,6 +23,7 @@ from flotilla.rpc.convert import (
     new_request_from_proto,
 )
 from flotilla.rpc.session_server import serve_session
+from flotilla.rpc.tls import peer_identity
 from flotilla.worker.telemetry import RequestTelemetry, WorkerMetrics
 
 if TYPE_CHECKING:
@@ -151,6 +152,9 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
         load = current_load(self._engine)
         if self.output_check is not None:
             load.output_check_failure = self.output_check.failure
+        identity = peer_identity(context)
+        if identity is not None and identity.role != "router":
+            load.ClearField("active_request_ids")  # which requests run here: the router's business only
         return load
 
 

@@ -16,6 +16,7 @@ from flotilla.fleet.process import ServiceProcess
 
 from tests.support import fleet as support_fleet
 from tests.support.fleet import MODEL, metric_samples  # noqa: F401  (MODEL: for the tests)
+from tests.support.tls import channel
 from tests.support.waiting import wait_until
 
 # The disaggregation tests' short names for the shared helpers.
@@ -45,8 +46,9 @@ def reference_engine(checkpoint: Path) -> LLMEngine:
 
 
 def kv_state(worker: ServiceProcess) -> kpb.KVState:
-    with grpc.insecure_channel(worker.address) as channel:
-        return kv_transfer_pb2_grpc.KVTransferServiceStub(channel).GetKVState(kpb.GetKVStateRequest(), timeout=10)
+    with channel(worker.address, "worker", client_role="operator") as worker_channel:
+        return kv_transfer_pb2_grpc.KVTransferServiceStub(worker_channel).GetKVState(kpb.GetKVStateRequest(),
+                                                                                     timeout=10)
 
 
 def workers_with_role(fleet: LocalFleet, role: str) -> list[ServiceProcess]:

@@ -7,12 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import re
+import secrets
 
+import grpc
 import openai
+import pytest
 
+from flotilla.api.common.v1 import common_pb2 as pb
+from flotilla.api.kvtransfer.v1 import kv_transfer_pb2 as kpb
+from flotilla.api.kvtransfer.v1 import kv_transfer_pb2_grpc
 from flotilla.engine.sampling_params import SamplingParams
 
 from tests.support.fleet import router_workers
+from tests.support.tls import channel
 
 from .fleet_helpers import MODEL, assert_clean, kv_state, kv_transfer_bytes, load, until, workers_with_role
 
@@ -150,3 +157,26 @@ def test_structured_output_across_the_kv_hand_off(disagg_fleet, reference):
     assert answer.choices[0].text == expected.text
     assert re.fullmatch(pattern, answer.choices[0].text)
     assert kv_transfer_bytes(disagg_fleet.fleet, prefill, "send") > sent_before  # prefilled remotely
+
+
+def test_a_peer_learns_nixl_metadata_only_for_a_hand_off_in_flight(disagg_fleet):
+    """The decode worker's pool metadata (what lets a peer write into its KV) goes only to a worker naming a
+    transfer id the decode worker issued; other roles may not ask at all, and a prefill worker refuses a
+    guessable transfer id or repeated destination blocks before it writes anything."""
+    decode = workers_with_role(disagg_fleet.fleet, "decode")[0]
+    (prefill,) = workers_with_role(disagg_fleet.fleet, "prefill")
+    for role, transfer_id in (("worker", ""), ("worker", secrets.token_urlsafe(24)), ("gateway", "x"),
+                              ("operator", "x"), ("router", "x")):
+        with channel(decode.address, "worker", client_role=role) as peer, pytest.raises(grpc.RpcError) as err:
+            kv_transfer_pb2_grpc.KVTransferServiceStub(peer).GetTransferInfo(
+                kpb.GetTransferInfoRequest(transfer_id=transfer_id), timeout=5)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, (role, transfer_id)
+    gen = pb.GenerateRequest(request_id="r", model=MODEL, prompt_token_ids=list(range(1, 40)))
+    with channel(prefill.address, "worker", client_role="worker") as peer:
+        stub = kv_transfer_pb2_grpc.KVTransferServiceStub(peer)
+        for transfer_id, blocks in (("r.1", [5, 6, 7]), (secrets.token_urlsafe(24), [5, 5, 7])):
+            response = stub.RemotePrefill(kpb.RemotePrefillRequest(
+                request=gen, transfer_id=transfer_id, decode_worker_address=decode.address,
+                decode_agent_name="any", dst_block_ids=blocks, lease_s=5), timeout=10)
+            assert response.error.code == pb.ERROR_CODE_INVALID_REQUEST, response
+    assert_clean([decode, prefill])

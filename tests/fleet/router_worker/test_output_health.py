@@ -21,6 +21,7 @@ from flotilla.worker.server import serve
 
 from tests.support.engines import engine_config
 from tests.support.fleet import start_service
+from tests.support.tls import aio_test_channel, client_tls
 from tests.support.waiting import async_wait_until
 
 
@@ -34,10 +35,11 @@ async def test_corrupted_weight_marks_the_worker_unhealthy_at_the_router(tiny_ch
 
     config = WorkerConfig(engine=engine_config(tiny_checkpoint), worker_id="w-check", model_name="tiny",
                           router_address=router.address, port_file=str(tmp_path / "worker.port"),
-                          heartbeat_interval_s=0.1, output_check=CheckSettings(interval_s=0.2, busy_interval_s=0.2))
+                          heartbeat_interval_s=0.1, output_check=CheckSettings(interval_s=0.2, busy_interval_s=0.2),
+                          tls=client_tls("worker", "w-check"))
     stop = asyncio.Event()
     worker = asyncio.create_task(serve(config, stop, engine_factory))
-    channel = grpc.aio.insecure_channel(router.address)
+    channel = aio_test_channel(router.address)
     stub = router_pb2_grpc.RouterServiceStub(channel)
 
     async def status() -> rpb.WorkerStatus | None:
@@ -66,7 +68,7 @@ async def test_corrupted_weight_marks_the_worker_unhealthy_at_the_router(tiny_ch
         assert [m.name for m in models] == ["tiny"]  # still listed: the model is fine, this worker is not
 
         port = read_port_file(tmp_path / "worker.port")
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as worker_channel:
+        async with aio_test_channel(f"127.0.0.1:{port}", "worker") as worker_channel:
             health = await worker_pb2_grpc.WorkerServiceStub(worker_channel).Health(wpb.HealthRequest(), timeout=5)
         assert not health.ready and health.problem == current.load.output_check_failure
     finally:

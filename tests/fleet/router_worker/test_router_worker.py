@@ -24,6 +24,7 @@ from flotilla.fleet.process import ServiceProcess
 
 from tests.support.engines import BLOCK_SIZE, NUM_KV_BLOCKS, greedy_reference
 from tests.support.fleet import NO_OUTPUT_CHECK, start_service
+from tests.support.tls import channel
 from tests.support.waiting import wait_until
 
 MODEL = "tiny-test"
@@ -58,11 +59,11 @@ def fleet(tiny_checkpoint, tmp_path_factory) -> dict[str, ServiceProcess]:
 
 
 def router_stub(fleet: dict[str, ServiceProcess]) -> router_pb2_grpc.RouterServiceStub:
-    return router_pb2_grpc.RouterServiceStub(grpc.insecure_channel(fleet["router"].address))
+    return router_pb2_grpc.RouterServiceStub(channel(fleet["router"].address))
 
 
 def worker_stub(fleet: dict[str, ServiceProcess]) -> worker_pb2_grpc.WorkerServiceStub:
-    return worker_pb2_grpc.WorkerServiceStub(grpc.insecure_channel(fleet["worker"].address))
+    return worker_pb2_grpc.WorkerServiceStub(channel(fleet["worker"].address, "worker"))
 
 
 def healthy_worker_ids(stub) -> set[str]:
@@ -100,6 +101,7 @@ def test_workers_publish_their_tokenizer_files_once_for_gateways(fleet, tiny_che
 
 def test_the_router_refuses_tokenizer_files_nobody_announced_or_that_do_not_match(fleet, tiny_checkpoint):
     stub = router_stub(fleet)
+    as_worker = router_pb2_grpc.RouterServiceStub(channel(fleet["router"].address, client_role="worker"))
     announced = stub.ListModels(rpb.ListModelsRequest(), timeout=5).models[0].assets_digest
     files = read_tokenizer_files(tiny_checkpoint)
     tampered = {**files, "chat_template.jinja": b"{{ 'owned' }}"}
@@ -108,8 +110,8 @@ def test_the_router_refuses_tokenizer_files_nobody_announced_or_that_do_not_matc
         (announced, tampered, "hash to"),  # announced digest, other content
         (announced, {**files, "../../etc/passwd": b"x"}, "unexpected tokenizer file"),
     ):
-        with pytest.raises(grpc.RpcError) as err:
-            stub.PublishModelAssets(asset_chunks(digest, sent), timeout=5)
+        with pytest.raises(grpc.RpcError) as err:  # sent as a worker: only workers may publish them
+            as_worker.PublishModelAssets(asset_chunks(digest, sent), timeout=5)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in err.value.details()
     with pytest.raises(grpc.RpcError) as err:
         list(stub.GetModelAssets(rpb.GetModelAssetsRequest(digest=files_digest(tampered)), timeout=5))

@@ -10,6 +10,8 @@ an offset.
 Sliding-window layers use a second mask of each kind (built when the step is given the model's window) that also
 hides keys older than the window; the CPU kernel skips them. Soft-capped scores (Gemma 2) leave SDPA for the same
 computation written out (scores, tanh cap, mask, softmax, values), since SDPA has no soft-cap.
+With the Triton backend (metadata built with use_triton: query_start_loc set, no groups or masks) step (2) is one
+kernel for the whole step that reads the blocks in place (triton_attention.py).
 """
 
 from __future__ import annotations
@@ -88,6 +90,9 @@ class AttentionMetadata:
     rope_lens: torch.Tensor | None = None  # [T] the rope length of each token (SeqChunk.num_prompt_tokens)
     max_rope_len: int = 0  # their maximum
     sliding_window: int | None = None  # the window the window masks were built for
+    # Set (and decode_groups/prefills left empty) when the Triton kernel runs the whole step (triton_attention.py)
+    query_start_loc: torch.Tensor | None = None  # [num_seqs + 1] each sequence's first row in the input
+    max_query_len: int = 0
 
     @classmethod
     def build(
@@ -98,11 +103,13 @@ class AttentionMetadata:
         max_decode_group_tokens: int | None = None,
         use_decode_kernel: bool = False,
         sliding_window: int | None = None,
+        use_triton: bool = False,
     ) -> AttentionMetadata:
         """max_decode_group_tokens caps the padded context tokens gathered per decode SDPA call; None picks
         a per-device default. Order decode chunks by context length to keep padding small.
         use_decode_kernel: decode through the CPU kernel (decode_kernel.applies) instead of SDPA groups.
-        sliding_window: the model's (ModelConfig.sliding_window), for the masks of its sliding layers."""
+        sliding_window: the model's (ModelConfig.sliding_window), for the masks of its sliding layers.
+        use_triton: the Triton kernel reads the whole step through block_tables; no masks or groups are built."""
         _validate(seqs, block_size, sliding_window)
         starts = [seq.start for seq in seqs]
         counts = [seq.num_tokens for seq in seqs]
@@ -110,12 +117,12 @@ class AttentionMetadata:
         offsets = _exclusive_cumsum(counts)
         block_tables = _block_table_tensor(seqs, ends, block_size, device)
         positions = _positions(starts, counts, offsets, device)
-        seq_of_token = torch.repeat_interleave(
-            torch.arange(len(seqs), device=device), torch.tensor(counts, device=device)
+        seq_of_token = torch.repeat_interleave(  # output_size: no device-to-host sync on a GPU
+            torch.arange(len(seqs), device=device), torch.tensor(counts, device=device), output_size=sum(counts)
         )
         slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
         context_lens = torch.tensor(ends, dtype=torch.int64, device=device)
-        decode_ids = [i for i, count in enumerate(counts) if count == 1]
+        decode_ids = [i for i, count in enumerate(counts) if count == 1 and not use_triton]
         decode_rows = None
         decode_groups: tuple[DecodeBatch, ...] = ()
         if use_decode_kernel and decode_ids:
@@ -129,7 +136,7 @@ class AttentionMetadata:
         prefills = tuple(
             _prefill_chunk(starts[i], counts[i], offsets[i], block_tables[i], block_size, device, sliding_window)
             for i in range(len(seqs))
-            if counts[i] > 1
+            if counts[i] > 1 and not use_triton
         )
         # rope length max(floor, position + 1): floor is the prompt length, or the chunk's end when not given
         floors = [end if seq.num_prompt_tokens is None else seq.num_prompt_tokens for seq, end in zip(seqs, ends)]
@@ -146,6 +153,9 @@ class AttentionMetadata:
             rope_lens=torch.maximum(floor_of_token, positions + 1),
             max_rope_len=max(max(floor, end) for floor, end in zip(floors, ends)),
             sliding_window=sliding_window,
+            query_start_loc=torch.tensor([*offsets, sum(counts)], dtype=torch.int64).to(device, non_blocking=True)
+            if use_triton else None,
+            max_query_len=max(counts),
         )
 
 
@@ -295,8 +305,13 @@ def paged_attention(
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     k_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
     v_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    _write_slots(k_cache, meta.slot_mapping, k)
+    _write_slots(v_cache, meta.slot_mapping, v)
+    if meta.query_start_loc is not None:
+        from flotilla.engine.model import triton_attention  # imports triton: only where it runs
+
+        return triton_attention.paged_attention(q, kv_cache, meta.block_tables, meta.query_start_loc,
+                                                meta.context_lens, meta.max_query_len, scale, window, softcap)
     out = torch.empty_like(q)
     scores = _Scores(scale, window is not None, softcap)
     for group in meta.decode_groups:
@@ -308,6 +323,16 @@ def paged_attention(
     return out
 
 
+def _write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """cache[slots] = values, cast to the cache's type; fp8 caches are written as bytes (index_copy_ has no fp8)."""
+    if cache.dtype == values.dtype:
+        cache.index_copy_(0, slots, values)
+    elif cache.element_size() == 1:
+        cache.view(torch.uint8).index_copy_(0, slots, values.to(cache.dtype).view(torch.uint8))
+    else:
+        cache.index_copy_(0, slots, values.to(cache.dtype))
+
+
 class _Scores(NamedTuple):
     """How a layer scores keys: q.k scale (None: SDPA's default), whether it uses the window masks, soft-cap."""
 
@@ -316,11 +341,12 @@ class _Scores(NamedTuple):
     softcap: float | None
 
 
-def _gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """K and V of whole blocks in one copy: [2, num_seqs, num_blocks_each * block_size, H_kv, D].
-    Copying whole blocks is several times faster than gathering token slots one by one."""
+def _gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, dtype: torch.dtype) -> torch.Tensor:
+    """K and V of whole blocks in one copy: [2, num_seqs, num_blocks_each * block_size, H_kv, D] in `dtype` (the
+    queries'; a no-op unless the cache is narrower). Copying whole blocks is several times faster than gathering
+    token slots one by one."""
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    return kv_cache.index_select(1, block_ids).view(2, num_seqs, -1, num_kv_heads, head_dim)
+    return kv_cache.index_select(1, block_ids).view(2, num_seqs, -1, num_kv_heads, head_dim).to(dtype)
 
 
 def _attend(q, keys, values, mask, scores: _Scores) -> torch.Tensor:
@@ -344,7 +370,8 @@ def _decode_attention(q, kv_cache, batch: DecodeBatch, out: torch.Tensor, scores
     num_kv_heads = kv_cache.shape[-2]
     rows = q[batch.token_slice] if batch.token_slice is not None else q[batch.token_indices]
     queries = rows.view(-1, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, H_kv, G, D]
-    keys, values = _gather_blocks(kv_cache, batch.block_ids, queries.shape[0]).transpose(2, 3)  # [B, H_kv, L, D]
+    gathered = _gather_blocks(kv_cache, batch.block_ids, queries.shape[0], q.dtype)
+    keys, values = gathered.transpose(2, 3)  # [B, H_kv, L, D]
     result = _attend(queries, keys, values, batch.window_mask if scores.windowed else batch.mask, scores)
     result = result.reshape(-1, num_heads, head_dim)
     if batch.token_slice is not None:
@@ -369,7 +396,8 @@ def _prefill_attention(q, kv_cache, chunk: PrefillChunk, scores: _Scores) -> tor
     block_ids, key_start, mask = chunk.block_ids, 0, chunk.mask
     if scores.windowed:
         block_ids, key_start, mask = chunk.window_block_ids, chunk.window_key_start, chunk.window_mask
-    keys, values = _gather_blocks(kv_cache, block_ids, 1)[:, :, : chunk.context_len - key_start].transpose(2, 3)
+    gathered = _gather_blocks(kv_cache, block_ids, 1, q.dtype)
+    keys, values = gathered[:, :, : chunk.context_len - key_start].transpose(2, 3)
     queries = q.transpose(0, 1)[None]  # [1, H, T, D]
     if scores.softcap is None:
         result = F.scaled_dot_product_attention(

@@ -14,6 +14,8 @@ from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.worker.v1 import worker_pb2_grpc
 from flotilla.rpc.options import address, aio_server, bind
 from flotilla.rpc.serving import announce, stop_on_signals
+from flotilla.rpc.tls import InternalTLS
+from flotilla.worker.access import WORKER_POLICY
 from flotilla.worker.fixed_batch.contract import SIMULATED, BatchOptions, RunBatch, load_run_batch
 from flotilla.worker.fixed_batch.service import FixedBatchProbes, FixedBatchService
 from flotilla.worker.registration import RouterLink
@@ -34,6 +36,7 @@ class FixedBatchConfig:
     router_address: str | None = None
     heartbeat_interval_s: float = 0.25
     shutdown_grace_s: float = 5.0  # a batch still running after this is cut; the router re-dispatches it
+    tls: InternalTLS | None = None  # mTLS for its server and its router channel; None: insecure
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -57,10 +60,10 @@ async def serve(config: FixedBatchConfig, stop: asyncio.Event | None = None) -> 
     worker_id = config.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
     model = model_info(config, run_batch)
     service = FixedBatchService(run_batch, config.options.max_batch_size)
-    server = aio_server()
+    server = aio_server(config.tls, WORKER_POLICY)
     worker_pb2_grpc.add_FixedBatchServiceServicer_to_server(service, server)
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(FixedBatchProbes(service, worker_id, model), server)
-    port = bind(server, config.host, config.port)
+    port = bind(server, config.host, config.port, config.tls)
     await server.start()
     link = None
     if config.router_address:
@@ -68,7 +71,7 @@ async def serve(config: FixedBatchConfig, stop: asyncio.Event | None = None) -> 
                               role=pb.WORKER_ROLE_BOTH, model=model,
                               fixed_batch=rpb.FixedBatchInfo(max_batch_size=config.options.max_batch_size,
                                                              batch_latency_ms=round(config.options.batch_latency_ms)))
-        link = RouterLink(config.router_address, info, service.load, config.heartbeat_interval_s)
+        link = RouterLink(config.router_address, info, service.load, config.heartbeat_interval_s, tls=config.tls)
         link.start()
     announce("worker", config.host, port, config.port_file)
     logger.info("fixed-batch worker %s serving %s (%s, B=%d)", worker_id, model.name, config.run_batch,

@@ -1,0 +1,134 @@
+"""Paged attention in one Triton kernel for a whole step: decode rows, prefill chunks and chunked prefill after a
+prefix hit, all reading K/V in place through the block tables (no gather into contiguous tensors).
+
+One program per (sequence, block of BLOCK_M query tokens, KV head). Its rows are the BLOCK_M tokens times the
+GROUP query heads sharing that KV head (GQA without repeating K/V), padded to powers of two; head dims that are
+not a power of two are masked. Keys are walked in tiles of BLOCK_N logical positions, each key's slot looked up
+in the block table, so any block size works. Softmax is online in float32 (flash attention); fp32 inputs multiply
+in IEEE precision (not TF32), so an fp32 engine stays exact against transformers. K/V may be stored in a narrower
+type than q (fp8): they are widened on load.
+
+Set TRITON_INTERPRET=1 before this module is imported to run the kernel on a CPU (the tests do).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Rows per program (query tokens x the heads of a group) and key positions per tile. On a GPU tl.dot needs
+# M >= 16; the interpreter runs every padded row as numpy work, so it gets the smallest tiles.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DECODE_ROWS = 1 if _INTERPRETED else 16
+PREFILL_ROWS = 16 if _INTERPRETED else 64
+BLOCK_N = 16 if _INTERPRETED else 64
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_ptr, context_lens_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
+    scale, softcap, window, block_size,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    q_block = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + seq)
+    query_len = tl.load(query_start_ptr + seq + 1) - q_start
+    context_len = tl.load(context_lens_ptr + seq)
+    first_pos = context_len - query_len  # position of the chunk's first query token
+
+    rows = tl.arange(0, BLOCK_M * GROUP_PAD)
+    token = q_block * BLOCK_M + rows // GROUP_PAD
+    head_in_group = rows % GROUP_PAD
+    row_valid = (token < query_len) & (head_in_group < GROUP)
+    head = kv_head * GROUP + head_in_group
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < HEAD_DIM
+    q_offsets = (q_start + token).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    query_pos = first_pos + token
+
+    # Keys the block's queries can see: up to its last query (causal), from its first query's window on.
+    block_first = q_block * BLOCK_M
+    block_last = tl.minimum(block_first + BLOCK_M, query_len) - 1
+    kv_end = tl.where(block_first < query_len, first_pos + block_last + 1, 0)
+    kv_begin = 0
+    if USE_WINDOW:
+        kv_begin = tl.maximum(first_pos + block_first - window + 1, 0) // BLOCK_N * BLOCK_N
+
+    m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M * GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP_PAD, BLOCK_D], dtype=tl.float32)
+    for tile_start in range(kv_begin, kv_end, BLOCK_N):
+        pos = tile_start + tl.arange(0, BLOCK_N)
+        key_valid = pos < kv_end
+        block = tl.load(block_tables_ptr + seq * stride_bt + pos // block_size, mask=key_valid, other=0)
+        slots = block.to(tl.int64) * stride_cb + (pos % block_size) * stride_cs + kv_head * stride_ch
+        kv_mask = key_valid[:, None] & dim_valid[None, :]
+        k = tl.load(k_cache_ptr + slots[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        if USE_SOFTCAP:  # softcap * tanh(scores / softcap), tanh written with a sigmoid
+            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+        visible = key_valid[None, :] & (pos[None, :] <= query_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (pos[None, :] > query_pos[:, None] - window)
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + slots[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out_offsets = (q_start + token).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    out: torch.Tensor | None = None,
+    block_n: int = BLOCK_N,
+) -> torch.Tensor:
+    """q [T, H, D] (sequence i's tokens are rows query_start_loc[i]:query_start_loc[i+1], the last ones of its
+    context of context_lens[i] keys); kv_cache [2, num_blocks, block_size, H_kv, D] already holding this step's
+    K/V; block_tables [num_seqs, W]. -> [T, H, D]. max_query_len (a host int) sizes the grid only."""
+    _, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not share {num_kv_heads} KV heads evenly")
+    if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("q and kv_cache need a contiguous head dimension")
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    rows = DECODE_ROWS if max_query_len == 1 else PREFILL_ROWS
+    block_m = max(1, rows // group_pad)
+    out = torch.empty_like(q) if out is None else out
+    num_seqs = context_lens.shape[0]
+    grid = (num_seqs, triton.cdiv(max_query_len, block_m), num_kv_heads)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        head_dim ** -0.5 if scale is None else scale, softcap or 1.0, window or 0, block_size,
+        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), GROUP=group, GROUP_PAD=group_pad,
+        BLOCK_M=block_m, BLOCK_N=block_n, USE_SOFTCAP=softcap is not None, USE_WINDOW=window is not None,
+    )  # fmt: skip
+    return out

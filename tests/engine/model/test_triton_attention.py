@@ -1,0 +1,115 @@
+"""The Triton paged-attention kernel, run by Triton's CPU interpreter, agrees with the torch (gather + SDPA) path on
+shuffled block tables, GQA, head dims that are not powers of two, block sizes that are not, mixed prefill/decode
+steps (a prefill after a prefix hit among them), sliding windows and soft-caps.
+
+The interpreter runs a kernel as numpy, a few hundred ms a launch: shapes stay small. It computes bfloat16 stores
+wrongly (numpy has no bfloat16), so the narrow case here is float16; bf16 is the device check's
+(loadtest/gpu_check.py).
+"""
+
+import os
+
+import pytest
+import torch
+
+from flotilla.engine.model.attention import AttentionMetadata, SeqChunk, paged_attention
+
+pytest.importorskip("triton")
+# tests/conftest.py sets it before anything imports triton
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
+CPU = torch.device("cpu")
+
+
+def _step(seqs, block_size, num_heads, num_kv_heads, head_dim, num_blocks, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    num_tokens = sum(seq.num_tokens for seq in seqs)
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    q = torch.randn(num_tokens, num_heads, head_dim).to(dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
+    return kv_cache, q, k, v
+
+
+def _both(seqs, block_size, kv_cache, q, k, v, window=None, softcap=None, scale=None):
+    """(torch path, Triton kernel) outputs and the caches each left behind."""
+    results = []
+    for use_triton in (False, True):
+        meta = AttentionMetadata.build(seqs, block_size, CPU, sliding_window=window, use_triton=use_triton)
+        assert (meta.query_start_loc is not None) == use_triton
+        cache = kv_cache.clone()
+        results.append((paged_attention(q, k, v, cache, meta, scale, window, softcap), cache))
+    return results
+
+
+def _tables(num_blocks, sizes, seed=0):
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables, at = [], 0
+    for size in sizes:
+        tables.append(perm[at:at + size])
+        at += size
+    return tables
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(8, 2, 16, 4), (4, 4, 24, 16), (12, 4, 40, 5), (6, 1, 8, 3)],
+)
+def test_mixed_step_matches_torch_path(num_heads, num_kv_heads, head_dim, block_size):
+    """Decodes of different lengths, a fresh prefill and a chunk after a prefix hit in one step."""
+    tables = _tables(64, [8, 1, 4, 6, 8], seed=num_heads)
+    seqs = [
+        SeqChunk(17, 1, tables[0]),
+        SeqChunk(0, 1, tables[1]),
+        SeqChunk(0, 9, tables[2]),  # prefill from the start
+        SeqChunk(11, 5, tables[3]),  # chunked prefill / prefix hit: 11 tokens already cached
+        SeqChunk(2 * block_size + 1, 1, tables[4]),
+    ]
+    kv_cache, q, k, v = _step(seqs, block_size, num_heads, num_kv_heads, head_dim, 64)
+    (expected, expected_cache), (actual, actual_cache) = _both(seqs, block_size, kv_cache, q, k, v)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(actual_cache, expected_cache, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(("window", "softcap", "scale"), [(5, None, None), (None, 2.0, None), (3, 1.5, 0.2)])
+def test_window_softcap_and_scale_match_torch_path(window, softcap, scale):
+    tables = _tables(64, [5, 3, 6], seed=3)
+    seqs = [SeqChunk(18, 1, tables[0]), SeqChunk(4, 7, tables[1]), SeqChunk(0, 1, tables[2])]
+    kv_cache, q, k, v = _step(seqs, 4, 8, 2, 16, 64, seed=1)
+    q = q * 3  # large scores, so that the soft-cap bites
+    (expected, _), (actual, _) = _both(seqs, 4, kv_cache, q, k, v, window, softcap, scale)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_long_prefill_spans_several_query_and_key_tiles():
+    """More queries than one program's rows and more keys than one tile, behind a cached prefix."""
+    tables = _tables(24, [20], seed=5)
+    seqs = [SeqChunk(45, 30, tables[0])]
+    kv_cache, q, k, v = _step(seqs, 4, 4, 2, 16, 24, seed=2)
+    (expected, _), (actual, _) = _both(seqs, 4, kv_cache, q, k, v)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_float16_and_narrower_kv_cache():
+    """fp16 q/K/V; and an fp8 cache read by both paths the same way (widened on load)."""
+    tables = _tables(32, [4, 3], seed=7)
+    seqs = [SeqChunk(9, 1, tables[0]), SeqChunk(3, 6, tables[1])]
+    kv_cache, q, k, v = _step(seqs, 4, 4, 2, 16, 32, dtype=torch.float16)
+    (expected, _), (actual, _) = _both(seqs, 4, kv_cache, q, k, v)
+    torch.testing.assert_close(actual, expected, atol=2e-3, rtol=2e-3)
+    kv_cache, q, k, v = _step(seqs, 4, 4, 2, 16, 32)
+    (expected, expected_cache), (actual, actual_cache) = _both(seqs, 4, kv_cache.to(torch.float8_e4m3fn), q, k, v)
+    assert actual_cache.dtype == torch.float8_e4m3fn
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    exact, _ = _both(seqs, 4, kv_cache, q, k, v)[0]
+    assert 0 < (actual - exact).abs().max() < 0.3  # fp8 rounding shows, within its precision
+
+
+def test_empty_context_rows_come_out_zero():
+    """A padded decode row (context length 0, as CUDA-graph padding makes) reads nothing and writes zeros."""
+    from flotilla.engine.model import triton_attention
+
+    kv_cache = torch.full((2, 4, 4, 1, 16), float("nan"))
+    q = torch.randn(2, 2, 16)
+    out = triton_attention.paged_attention(q, kv_cache, torch.zeros(2, 1, dtype=torch.int64),
+                                           torch.tensor([0, 1, 2]), torch.tensor([0, 0]), 1)
+    torch.testing.assert_close(out, torch.zeros_like(q))

@@ -1,0 +1,36 @@
+"""Start-up choices of EngineConfig: the attention backend and the KV pool's element type per device."""
+
+import pytest
+import torch
+
+from flotilla.engine.config import resolve_attention_backend, resolve_dtype, resolve_kv_cache_dtype
+
+CPU = torch.device("cpu")
+
+
+def test_cpu_keeps_fp32_and_the_torch_path():
+    assert resolve_dtype("auto", CPU, torch.bfloat16) == torch.float32
+    assert resolve_attention_backend("auto", CPU) == "torch"
+    assert resolve_kv_cache_dtype("auto", torch.float32, CPU) == torch.float32
+
+
+def test_cuda_defaults_to_16_bit_weights():
+    cuda = torch.device("cuda")
+    assert resolve_dtype("auto", cuda, torch.float32) == torch.bfloat16
+    assert resolve_dtype("auto", cuda, torch.float16) == torch.float16
+    assert resolve_dtype("float32", cuda, torch.bfloat16) == torch.float32
+
+
+def test_kv_cache_dtype_can_be_narrower_than_the_model():
+    assert resolve_kv_cache_dtype("float8_e4m3fn", torch.float32, CPU) == torch.float8_e4m3fn
+    assert resolve_kv_cache_dtype("float8_e5m2", torch.bfloat16, CPU) == torch.float8_e5m2
+
+
+def test_triton_off_cuda_needs_the_interpreter(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_attention_backend("triton", CPU) == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="runs on cuda"):
+        resolve_attention_backend("triton", CPU)
+    assert resolve_attention_backend("torch", CPU) == "torch"
