@@ -48,6 +48,7 @@ UNIT_PATHS = (
     "gateway/test_error_mapping.py",
     "gateway/test_field_support.py",
     "gateway/test_model_registry.py",
+    "gateway/test_safety_rules.py",
     "gateway/test_sse.py",
     "gateway/test_tool_parsers.py",
     "kv_transfer/test_affinity_and_arrivals.py",

@@ -54,6 +54,7 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
                        for name in MODEL_NAMES]
         self.requests: list[common.GenerateRequest] = []
         self.script: list[str] = []  # what model "script" answers
+        self.script_delay_s = 0.0  # between its chunks (else the gateway may read several as one)
         self.cancelled: list[common.GenerateRequest] = []
         self._changed = threading.Condition()
 
@@ -104,6 +105,8 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
 
     async def _script(self, request: common.GenerateRequest):
         for i, text in enumerate(self.script):
+            if i and self.script_delay_s:
+                await asyncio.sleep(self.script_delay_s)
             yield common.GenerateResponse(chunk=common.TokenChunk(token_ids=[FIRST_TOKEN_ID + i], text=text))
         usage = common.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=len(self.script))
         yield common.GenerateResponse(finished=common.Finished(reason=common.FINISH_REASON_STOP,

@@ -90,7 +90,7 @@ class InProcessGateway:
         await grpc_server.start()
         self.settings = replace(self.settings, router_address=f"127.0.0.1:{router_port}")
         client = RouterClient(self.settings.router_address)
-        ledger = UsageLedger(self.ledger_sink).start() if self.ledger_sink is not None else None
+        ledger = self.ledger = UsageLedger(self.ledger_sink).start() if self.ledger_sink is not None else None
         app = create_app(self.settings, client, KeyStore.from_file(self.keys_file), metrics=self.metrics,
                          ledger=ledger)
         self.app = app

@@ -28,7 +28,7 @@ async def store(request, tmp_path):
 
 async def test_create_lookup_revoke(store):
     key = generate_key()
-    entry = TenantKey("k1", hash_key(key), "acme", "free", "batch", Limits(1000, 10, 2), "salt-1")
+    entry = TenantKey("k1", hash_key(key), "acme", "free", "batch", Limits(1000, 10, 2), "salt-1", "strict")
     await store.create(entry)
     assert await store.lookup(key) == entry
     assert await store.lookup(key + "x") is None
@@ -54,7 +54,8 @@ def _redis_dump(url: str) -> str:
 
 def test_cli_manages_keys_in_redis_and_never_stores_plaintext(redis_url, capsys):
     assert cli_main(["keys", "create", "--redis-url", redis_url, "--key-id", "k1", "--tenant", "acme",
-                     "--tier", "free", "--priority-class", "batch", "--tokens-per-minute", "5000"]) == 0
+                     "--tier", "free", "--priority-class", "batch", "--tokens-per-minute", "5000",
+                     "--safety-policy", "strict"]) == 0
     key = capsys.readouterr().out.strip().splitlines()[-1]
     assert key.startswith("fl-")
     dump = _redis_dump(redis_url)
@@ -64,6 +65,7 @@ def test_cli_manages_keys_in_redis_and_never_stores_plaintext(redis_url, capsys)
     listed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert listed[0]["key_id"] == "k1" and listed[0]["limits"]["requests_per_minute"] == 7
     assert listed[0]["limits"]["tokens_per_minute"] == 5000 and listed[0]["tier"] == "free"
+    assert listed[0]["safety_policy"] == "strict"
     assert "sha256" not in listed[0]
     assert cli_main(["keys", "revoke", "--redis-url", redis_url, "k1"]) == 0
     assert cli_main(["keys", "revoke", "--redis-url", redis_url, "k1"]) == 1

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from flotilla.tenancy.records import Limits, TenantKey
 
-OPTIONAL_FIELDS = ("priority_class", "limits", "cache_salt")
+OPTIONAL_FIELDS = ("priority_class", "limits", "cache_salt", "safety_policy")
 REQUIRED_FIELDS = ("key_id", "sha256", "tenant", "tier")
 
 
@@ -33,6 +33,7 @@ class KeyStore(Protocol):
 def entry_to_json(entry: TenantKey) -> dict[str, Any]:
     return {"key_id": entry.key_id, "sha256": entry.sha256, "tenant": entry.tenant, "tier": entry.tier,
             "priority_class": entry.priority_class, "cache_salt": entry.cache_salt,
+            "safety_policy": entry.safety_policy,
             "limits": {"tokens_per_minute": entry.limits.tokens_per_minute,
                        "requests_per_minute": entry.limits.requests_per_minute,
                        "max_concurrent": entry.limits.max_concurrent}}

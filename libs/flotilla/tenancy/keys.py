@@ -1,7 +1,7 @@
 """API keys for the gateway: the tenancy key records and the JSON keys file, plus an in-memory store.
 
 Keys file (JSON): {"keys": [{"key_id", "sha256": "<hex digest of the key>", "tenant", "tier": "paid"|"free",
-optional "priority_class", "limits", "cache_salt"}]}. Plaintext keys are shown once, when generated, and
+optional "priority_class", "limits", "cache_salt", "safety_policy"}]}. Plaintext keys are shown once, when generated, and
 never written. Redis-backed keys and quotas live in flotilla.tenancy (see `flotilla keys`).
 """
 

@@ -1,4 +1,4 @@
-"""What a key resolves to: tenant, tier, default priority class, limits, prefix-cache salt."""
+"""What a key resolves to: tenant, tier, default priority class, limits, prefix-cache salt, safety policy."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ class TenantKey:
     priority_class: str = "interactive"  # the default class; a request header may ask for another
     limits: Limits = field(default_factory=Limits)
     cache_salt: str = ""  # empty: the tenant name salts the prefix cache
+    safety_policy: str = ""  # a policy of the gateway's safety config; empty: its default
 
     def __post_init__(self) -> None:
         for name in ("key_id", "tenant"):
@@ -52,6 +53,8 @@ class TenantKey:
         if self.priority_class not in PRIORITY_CLASSES:
             raise ValueError(f"key {self.key_id!r}: priority_class must be one of {PRIORITY_CLASSES}, "
                              f"got {self.priority_class!r}")
+        if not isinstance(self.safety_policy, str):
+            raise ValueError(f"key {self.key_id!r}: safety_policy must be a string, got {self.safety_policy!r}")
         if not isinstance(self.limits, Limits):
             raise ValueError(f"key {self.key_id!r}: limits must be Limits, got {self.limits!r}")
 

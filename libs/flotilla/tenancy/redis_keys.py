@@ -26,7 +26,8 @@ def record_key(sha256: str) -> str:
 
 def to_hash(entry: TenantKey) -> dict[str, str]:
     fields = {"key_id": entry.key_id, "tenant": entry.tenant, "tier": entry.tier,
-              "priority_class": entry.priority_class, "cache_salt": entry.cache_salt}
+              "priority_class": entry.priority_class, "cache_salt": entry.cache_salt,
+              "safety_policy": entry.safety_policy}
     fields.update({name: str(getattr(entry.limits, name)) for name in _LIMIT_FIELDS})
     return fields
 
@@ -34,7 +35,7 @@ def to_hash(entry: TenantKey) -> dict[str, str]:
 def from_hash(sha256: str, fields: dict[str, str]) -> TenantKey:
     limits = Limits(**{name: int(fields.get(name, 0)) for name in _LIMIT_FIELDS})
     return TenantKey(fields["key_id"], sha256, fields["tenant"], fields["tier"], fields["priority_class"],
-                     limits, fields.get("cache_salt", ""))
+                     limits, fields.get("cache_salt", ""), fields.get("safety_policy", ""))
 
 
 class RedisKeyStore:

@@ -8,6 +8,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 STATUS_OK = "ok"  # finished (stop or length)
 STATUS_ERROR = "error"  # ended with an error (see error_code)
 STATUS_CANCELLED = "cancelled"  # the caller went away before the end
+STATUS_FILTERED = "filtered"  # the gateway's safety stage stopped the answer (output_tokens: those sent before)
 # Written while a request runs (at admission, then every checkpoint interval of streaming) so a gateway that dies
 # mid-stream still leaves what it had delivered; any record with another status for the same request id
 # supersedes it (summary.unique).

@@ -40,6 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "bills what it delivered up to its last checkpoint")
     run.add_argument("--stream-resume-grace-s", type=float, default=30.0,
                      help="how long a resumable stream (x-flotilla-resumable) waits for its client to reconnect")
+    run.add_argument("--safety-config", type=Path, default=None,
+                     help="JSON file of safety policies (rules, classifier) and the default (default: no screening)")
     run.add_argument("--tool-call-parser", default="auto",
                      choices=TOOL_CALL_PARSERS,
                      help="how models write tool calls (default auto: from each model's chat template)")
@@ -78,6 +80,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     key.add_argument("--key-id", required=True)
     key.add_argument("--tenant", required=True)
     key.add_argument("--tier", choices=("paid", "free"), default="paid")
+    key.add_argument("--safety-policy", default="", help="a policy of the gateway's --safety-config (default: its default)")
     key.set_defaults(func=_add_key)
 
 
@@ -94,7 +97,7 @@ def _run(args: argparse.Namespace) -> int:
                                redis_fail_mode=args.redis_fail_mode, usage_log=args.usage_log,
                                usage_checkpoint_s=args.usage_checkpoint_s,
                                stream_resume_grace_s=args.stream_resume_grace_s,
-                               tool_call_parser=args.tool_call_parser,
+                               tool_call_parser=args.tool_call_parser, safety_config=args.safety_config,
                                router_tls=internal_tls(args, "gateway"),
                                metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                                metrics_port_file=args.metrics_port_file,
@@ -111,6 +114,15 @@ def _run(args: argparse.Namespace) -> int:
                                                    lease_ttl_s=args.batch_lease_ttl_s),
                                admission=AdmissionPolicy(args.wait_budget_paid_s, args.wait_budget_free_s,
                                                          args.wait_budget_batch_s))
+    if args.safety_config is not None:
+        from flotilla.gateway.safety.config import SafetyConfig
+        from flotilla.gateway.safety.rules import PolicyError
+
+        try:
+            SafetyConfig.load(args.safety_config)  # refused here, with its reason, rather than at the first request
+        except PolicyError as err:
+            print(f"flotilla gateway: {err}", file=sys.stderr)
+            return 2
     from flotilla.observability.setup import setup_observability
 
     setup_observability("flotilla-gateway")
@@ -123,7 +135,8 @@ def _add_key(args: argparse.Namespace) -> int:
 
     entries = KeyStore.from_file(args.keys_file).entries if args.keys_file.exists() else []
     key = generate_key()
-    write_keys_file(args.keys_file, [*entries, KeyEntry(args.key_id, hash_key(key), args.tenant, args.tier)])
+    entry = KeyEntry(args.key_id, hash_key(key), args.tenant, args.tier, safety_policy=args.safety_policy)
+    write_keys_file(args.keys_file, [*entries, entry])
     # The only time the plaintext exists outside the caller's hands; only its digest is stored.
     sys.stdout.write(key + "\n")
     return 0

@@ -26,6 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     create.add_argument("--tier", choices=("paid", "free"), default="paid")
     create.add_argument("--priority-class", choices=("interactive", "batch"), default="interactive")
     create.add_argument("--cache-salt", default="", help="prefix-cache salt (default: the tenant name)")
+    create.add_argument("--safety-policy", default="",
+                        help="a policy of the gateways' --safety-config (default: its default policy)")
     _add_limit_flags(create, default=0)
     create.set_defaults(func=_create)
     listing = actions.add_parser("list", help="list keys (never the keys themselves)")
@@ -84,7 +86,7 @@ def _create(args: argparse.Namespace) -> int:
     key = generate_key()
     entry = TenantKey(args.key_id or f"key-{secrets.token_hex(4)}", hash_key(key), args.tenant, args.tier,
                       args.priority_class, Limits(args.tokens_per_minute, args.requests_per_minute,
-                                                  args.max_concurrent), args.cache_salt)
+                                                  args.max_concurrent), args.cache_salt, args.safety_policy)
 
     async def action(store) -> int:
         await store.create(entry)
@@ -109,7 +111,7 @@ def _list(args: argparse.Namespace) -> int:
         for row in rows:
             limits = " ".join(f"{k}={v}" for k, v in row["limits"].items())
             print(f"{row['key_id']}\ttenant={row['tenant']}\ttier={row['tier']}\t"
-                  f"class={row['priority_class']}\t{limits}")
+                  f"class={row['priority_class']}\t{limits}\tsafety={row['safety_policy'] or 'default'}")
         return 0
 
     return _run(args, action)

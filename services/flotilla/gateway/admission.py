@@ -17,6 +17,7 @@ from flotilla.engine.request import FinishReason, Priority
 from flotilla.gateway.auth import Principal
 from flotilla.gateway.dialects import Dialect
 from flotilla.gateway.errors import ErrorKind, GatewayError
+from flotilla.gateway.safety.filtered import Filtered, Withheld
 from flotilla.rpc.stream_events import Chunk, Finished, StreamEvent
 from flotilla.tenancy.errors import BackendUnavailable
 from flotilla.tenancy.admission_policy import AdmissionPolicy
@@ -132,6 +133,10 @@ class QuotaSettlement:
             self._produced = True
         elif type(event) is Finished and event.reason is not FinishReason.ABORT:
             self._produced = True
+        elif type(event) is Withheld:
+            self._num_output_tokens -= event.num_tokens
+        elif type(event) is Filtered:  # stopped by the safety stage: the tokens it sent are kept
+            self._num_output_tokens = event.usage.completion_tokens
 
     def on_end(self, error: GatewayError | None) -> None:
         used = self._num_prompt_tokens + self._num_output_tokens if self._produced else 0

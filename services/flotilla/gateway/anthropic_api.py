@@ -23,6 +23,7 @@ from flotilla.gateway.errors import ErrorKind, GatewayError
 from flotilla.gateway.generation import (Job, check_context_window, checked_sampling, collect, router_events,
                                          tokenize, until_disconnected)
 from flotilla.gateway.model_registry import ServedModel
+from flotilla.gateway.safety.stage import screen_prompt, screened
 from flotilla.gateway.sse import SSEResponse, first_event
 from flotilla.gateway.structured_params import anthropic_structured_output
 from flotilla.gateway.tool_calling import ToolSetup, tool_setup
@@ -48,12 +49,14 @@ async def create_message(request: Request) -> Response:
     check_context_window(len(prompt_ids), params.max_tokens, model.max_model_len)
     if params.stream:
         hold_stream_slot(request, principal)  # before admission: a refused stream holds no quota
+    policy = await screen_prompt(ctx.safety, ctx.metrics, principal, model.tokenizer, prompt_ids)
     admitted = await admit(request, ctx.gatekeeper, ctx.settings.admission, Dialect.ANTHROPIC, principal,
                            request_id(request), len(prompt_ids), params.max_tokens)
     user_id = params.metadata.user_id if params.metadata is not None else None
     job = Job.create(request_id(request), model, principal, prompt_ids, sampling, arrival_time(request),
                      admitted.ticket, conversation_key(principal.tenant, user_id, params.system, params.messages))
-    events = router_events(ctx, job, requested, admitted, streamed=bool(params.stream))
+    events = screened(router_events(ctx, job, requested, admitted, streamed=bool(params.stream)), policy, ctx.metrics,
+                      job.num_prompt_tokens)
     message_id = "msg_" + job.request_id.removeprefix("req_")
     if params.stream:
         first = await first_event(request, events)

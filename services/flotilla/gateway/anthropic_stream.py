@@ -10,6 +10,7 @@ from flotilla.engine.request import FinishReason
 from flotilla.gateway.dialects import Dialect, error_body
 from flotilla.gateway.errors import GatewayError
 from flotilla.gateway.generation import Job
+from flotilla.gateway.safety.filtered import Filtered
 from flotilla.gateway.sse import Events, sse_json
 from flotilla.gateway.tool_calling import ToolSetup, call_id
 from flotilla.gateway.tool_parsers import ParsedCall
@@ -82,6 +83,8 @@ async def message_events(message_id: str, job: Job, first: Chunk | Finished, eve
                 for data in blocks.item(item):
                     yield data
             event = await anext(events)
+        if type(event) is Filtered:  # blocked by the safety stage: an error event ends the stream
+            raise event.error()
         for item in stream.finish() if stream is not None else ():
             for data in blocks.item(item):
                 yield data
@@ -135,7 +138,9 @@ def tool_use_block(call: ParsedCall) -> dict:
     return {"type": "tool_use", "id": call_id("toolu_"), "name": call.name, "input": json.loads(call.arguments)}
 
 
-def stop_reason(finished: Finished, num_calls: int = 0) -> str:
+def stop_reason(finished: Finished | Filtered, num_calls: int = 0) -> str:
+    if type(finished) is Filtered:
+        return "refusal"  # the Messages API's stop reason for a stopped, unsafe answer
     if finished.reason is FinishReason.LENGTH:
         return "max_tokens"
     if num_calls:

@@ -22,6 +22,8 @@ from flotilla.tenancy.keys import KeyStore
 from flotilla.gateway.metrics import GatewayMetrics
 from flotilla.gateway.model_registry import ModelRegistry, TokenizerBuilder, build_engine_tokenizer
 from flotilla.gateway.router_client import RouterBackend
+from flotilla.gateway.safety import moderations_api
+from flotilla.gateway.safety.config import SafetyConfig
 from flotilla.gateway.settings import GatewaySettings
 from flotilla.tenancy.gatekeeper import Gatekeeper
 from flotilla.tenancy.local_quota import LocalQuotaStore
@@ -31,17 +33,21 @@ from flotilla.usage.ledger import UsageLedger
 def create_app(settings: GatewaySettings, backend: RouterBackend, key_store: KeyStore | None,
                tokenizer_builder: TokenizerBuilder = build_engine_tokenizer,
                metrics: GatewayMetrics | None = None, gatekeeper: Gatekeeper | None = None,
-               ledger: UsageLedger | None = None, batch_store: BatchStore | None = None) -> FastAPI:
+               ledger: UsageLedger | None = None, batch_store: BatchStore | None = None,
+               safety: SafetyConfig | None = None) -> FastAPI:
     """The app does not own `backend`, `gatekeeper` or `ledger`: whoever made them closes them after the server
     stops. Without a gatekeeper, `key_store` (in memory, in-process quotas) authenticates; neither: no auth.
     With a ledger, every request that reaches the router leaves a usage record. Batch jobs live in `batch_store`
-    (Redis; the caller's to close), else in SQLite at settings.batch.state_file."""
+    (Redis; the caller's to close), else in SQLite at settings.batch.state_file. `safety` (its classifier
+    clients closed with the app) screens prompts and answers; by default settings.safety_config's file."""
     metrics = metrics or GatewayMetrics()
     registry = ModelRegistry(backend, tokenizer_builder, settings.min_refresh_gap_s)
     if gatekeeper is None and key_store is not None:
         gatekeeper = Gatekeeper(key_store.as_async(), LocalQuotaStore())
+    if safety is None and settings.safety_config is not None:
+        safety = SafetyConfig.load(settings.safety_config)
     context = GatewayContext(settings, backend, registry, key_store, metrics, gatekeeper, ledger,
-                             StreamSlots(settings.max_streams_per_key, settings.retry_after_s))
+                             StreamSlots(settings.max_streams_per_key, settings.retry_after_s), safety)
     batch_jobs = BatchJobs.create(settings.batch, batch_store, metrics.registry, ledger)
 
     @contextlib.asynccontextmanager
@@ -55,6 +61,8 @@ def create_app(settings: GatewaySettings, backend: RouterBackend, key_store: Key
             refresher.cancel()
             await asyncio.gather(refresher, return_exceptions=True)
             await batch_jobs.close()
+            if safety is not None:
+                await safety.aclose()
 
     # FastAPI's own spans are off: RequestContextMiddleware opens the request's root span (gateway.request).
     app = FastAPI(title="Flotilla gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -75,6 +83,7 @@ def _add_routes(app: FastAPI) -> None:
     app.add_api_route("/v1/completions", openai_api.create_completion, methods=["POST"])
     app.add_api_route("/v1/batch-generate", batch_api.batch_generate, methods=["POST"])
     batch_job_routes.add_routes(app)  # /v1/files, /v1/batches, /v1/messages/batches
+    app.add_api_route("/v1/moderations", moderations_api.create_moderation, methods=["POST"])
     app.add_api_route("/v1/models", models_api.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", models_api.get_model, methods=["GET"])
     app.add_api_route("/healthz", health.healthz, methods=["GET"])

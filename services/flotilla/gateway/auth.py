@@ -30,6 +30,7 @@ class Principal:
     limits: Limits = field(default_factory=Limits)
     cache_salt: str = ""
     batch_item: tuple[str, int] | None = None  # (job id, item index) of a batch-job item (batch_jobs/)
+    safety_policy: str = ""  # "": the gateway's default safety policy
 
     @property
     def salt(self) -> str:
@@ -86,7 +87,7 @@ async def authenticate(headers: Headers, gatekeeper: Gatekeeper | None) -> Princ
         raise GatewayError(ErrorKind.PERMISSION, f"this key's priority class is {entry.priority_class}: "
                            f"{PRIORITY_HEADER} may only lower it", param=PRIORITY_HEADER, code="permission_denied")
     return Principal(entry.key_id, entry.tenant, entry.tier, priority or entry.priority_class, entry.limits,
-                     entry.cache_salt)
+                     entry.cache_salt, safety_policy=entry.safety_policy)
 
 
 def _rank(priority_class: str) -> int:

@@ -20,6 +20,7 @@ from flotilla.tenancy.keys import KeyStore
 from flotilla.gateway.metrics import GatewayMetrics
 from flotilla.gateway.model_registry import ModelRegistry
 from flotilla.gateway.router_client import RouterBackend
+from flotilla.gateway.safety.config import SafetyConfig
 from flotilla.gateway.settings import GatewaySettings
 from flotilla.tenancy.gatekeeper import Gatekeeper
 from flotilla.gateway.telemetry import http_request_span
@@ -41,6 +42,7 @@ class GatewayContext:
     gatekeeper: Gatekeeper | None = None  # tenancy: keys, quotas, Redis-down policy; None = auth off
     ledger: UsageLedger | None = None  # usage records (usage_meter.py); None = off
     stream_slots: StreamSlots | None = None  # open streams per key (connection_limits.py); None = uncapped
+    safety: SafetyConfig | None = None  # safety policies (safety/); None = nothing screened
 
 
 def gateway_context(request: Request) -> GatewayContext:

@@ -117,7 +117,8 @@ CHAT_FIELDS: dict[str, Status] = {
     "reasoning_effort": Unsupported("reasoning controls are not built"),
     "verbosity": Unsupported("verbosity controls are not built"),
     "web_search_options": Unsupported("there is no web search"),
-    "moderation": Unsupported("moderation is not built"),
+    "moderation": Unsupported("per-request moderation settings are not built: the API key's safety policy "
+                              "screens every request"),
     "store": Partly("false only", _only(False, reason="stored completions are not built")),
     "metadata": Unsupported("stored completions (which metadata tags) are not built"),
     "service_tier": Partly("auto, default", _only("auto", "default", reason="one service tier only")),

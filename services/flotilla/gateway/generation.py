@@ -28,6 +28,7 @@ from flotilla.gateway.auth import Principal
 from flotilla.gateway.errors import ClientDisconnected, ErrorKind, GatewayError, error_from_grpc, error_from_router
 from flotilla.gateway.metrics import GatewayMetrics
 from flotilla.gateway.model_registry import ServedModel
+from flotilla.gateway.safety.filtered import Withheld
 from flotilla.gateway.telemetry import GatewayRequestTelemetry
 from flotilla.gateway.usage_meter import UsageLedgerTap
 from flotilla.observability.latency import StreamTimer
@@ -48,7 +49,7 @@ class Generation:
 
     text: str
     chunks: list[Chunk]
-    finished: Finished
+    finished: Finished  # or the safety stage's Filtered (safety/filtered.py)
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,7 @@ class RouterEvents:
         self._metering: Metering | None = None
         self._ledger_tap: UsageLedgerTap | None = None
         self._ended = False
+        self.num_withheld_tokens = 0  # kept up to date by whoever holds tokens back (safety/stage.py)
 
     def __aiter__(self) -> RouterEvents:
         return self
@@ -211,6 +213,14 @@ class RouterEvents:
     async def aclose(self) -> None:
         await self._end(None)
 
+    async def end_with(self, event: object) -> None:
+        """Ends the stream on the gateway's own last event (the safety stage's Filtered): every tap sees it,
+        then the call is cancelled (the engine aborts the request) and the taps end."""
+        if not self._ended:
+            for on_event in self._on_event:
+                on_event(event)
+        await self.aclose()
+
     def _start(self) -> AsyncIterator[StreamEvent]:
         ctx, job = self._ctx, self._job
         metering = self._metering = Metering(ctx.metrics, job)
@@ -221,7 +231,8 @@ class RouterEvents:
         if ctx.ledger is not None:
             self._ledger_tap = UsageLedgerTap(ctx.ledger, job.request, requested_model=self._requested_model,
                                               key_id=principal.key_id, streamed=self._streamed,
-                                              batch_item=principal.batch_item)
+                                              batch_item=principal.batch_item,
+                                              withheld=lambda: self.num_withheld_tokens)
             self._taps.append(self._ledger_tap)
         self._on_event = tuple(tap.on_event for tap in self._taps)
         call = ctx.backend.generate(job.to_proto(self._requested_model), telemetry.outgoing_metadata())
@@ -242,6 +253,9 @@ class RouterEvents:
             if call is not None:
                 await call.aclose()  # cancels an unfinished call: the engine aborts the request
         finally:
+            if self.num_withheld_tokens:
+                for on_event in self._on_event:
+                    on_event(Withheld(self.num_withheld_tokens))
             for tap in self._taps:
                 tap.on_end(error)
 
@@ -260,7 +274,7 @@ class RouterEvents:
 async def collect(events: Events) -> Generation:
     chunks: list[Chunk] = []
     async for event in events:
-        if type(event) is Finished:
+        if type(event) is not Chunk:  # Finished, or the safety stage's Filtered
             return Generation("".join(c.text for c in chunks), chunks, event)
         chunks.append(event)
     raise GatewayError(ErrorKind.INTERNAL, "the router closed the stream without a result")

@@ -29,6 +29,9 @@ class GatewayMetrics:
                                   ["reason"], registry=r)
         self.cancellations = Counter("flotilla_gateway_client_cancellations",
                                      "Requests whose client went away before the end", registry=r)
+        self.safety_blocks = Counter("flotilla_gateway_safety_blocks",
+                                     "Prompts (stage=input) and answers (stage=output) blocked, by policy and category",
+                                     ["stage", "policy", "category"], registry=r)
         self.streams_in_flight = Gauge("flotilla_gateway_streams_in_flight", "Open SSE streams", registry=r)
         # TTFT (the histogram above), TPOT, inter-token and end-to-end latency by model and tier.
         self.latency = LatencyHistograms.create("flotilla_gateway", r, ttft=self.ttft_seconds)

@@ -28,6 +28,8 @@ from flotilla.gateway.openai_prompt import template_messages, template_tools
 from flotilla.gateway.openai_schema import ChatCompletionRequest, CommonParams, CompletionRequest
 from flotilla.engine.structured_output import StructuredOutput
 from flotilla.gateway.openai_tool_calls import ToolCalls
+from flotilla.gateway.safety.filtered import CONTENT_FILTER_CODE, Filtered
+from flotilla.gateway.safety.stage import screen_prompt, screened
 from flotilla.gateway.sse import Events, SSEResponse, first_event, sse_data, sse_json
 from flotilla.gateway.tool_calling import tool_setup
 from flotilla.gateway.tool_grammar import decoding_constraint
@@ -145,12 +147,14 @@ async def _generate(request: Request, ctx: GatewayContext, plan: Plan) -> Respon
     check_context_window(len(plan.prompt_ids), sampling.max_tokens, plan.model.max_model_len)
     if params.stream:
         hold_stream_slot(request, plan.principal)  # before admission: a refused stream holds no quota
+    policy = await screen_prompt(ctx.safety, ctx.metrics, plan.principal, plan.model.tokenizer, plan.prompt_ids)
     admitted = await admit(request, ctx.gatekeeper, ctx.settings.admission, Dialect.OPENAI, plan.principal,
                            request_id(request), len(plan.prompt_ids), sampling.max_tokens)
     job = Job.create(request_id(request), plan.model, plan.principal, plan.prompt_ids, sampling,
                      arrival_time(request), admitted.ticket,
                      conversation_key(plan.principal.tenant, params.user, messages=getattr(params, "messages", ())))
-    events = router_events(ctx, job, plan.requested_model, admitted, streamed=bool(params.stream))
+    events = screened(router_events(ctx, job, plan.requested_model, admitted, streamed=bool(params.stream)), policy,
+                      ctx.metrics, job.num_prompt_tokens)
     head = _Head(plan.endpoint.id_prefix + job.request_id.removeprefix("req_"), int(time.time()), plan.model.name)
     if params.stream:
         first = await first_event(request, events)
@@ -222,7 +226,9 @@ async def _chunks(plan: Plan, head: _Head, first: Chunk | Finished, events: Even
         await events.aclose()
 
 
-def finish_reason(finished: Finished) -> str:
+def finish_reason(finished: Finished | Filtered) -> str:
+    if type(finished) is Filtered:
+        return CONTENT_FILTER_CODE
     return "length" if finished.reason is FinishReason.LENGTH else "stop"
 
 

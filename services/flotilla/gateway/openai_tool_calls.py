@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from flotilla.engine.request import FinishReason
+from flotilla.gateway.safety.filtered import CONTENT_FILTER_CODE, Filtered
 from flotilla.gateway.tool_calling import ToolSetup, call_id
 from flotilla.gateway.tool_parsers import ParsedCall
 from flotilla.gateway.tool_stream import Item, ToolCallStream
@@ -64,7 +65,9 @@ class StreamedToolCalls:
         return choices
 
 
-def finish_reason(finished: Finished, calls: list) -> str:
+def finish_reason(finished: Finished | Filtered, calls: list) -> str:
+    if type(finished) is Filtered:
+        return CONTENT_FILTER_CODE
     if finished.reason is FinishReason.LENGTH:
         return "length"
     return "tool_calls" if calls else "stop"

@@ -30,6 +30,7 @@ from flotilla.gateway.dialects import Dialect, dialect_for_path
 from flotilla.gateway.errors import ErrorKind
 from flotilla.gateway.idempotency import MAX_KEY_LENGTH
 from flotilla.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+from flotilla.gateway.safety.moderations_api import ModerationRequest
 from flotilla.tenancy.records import PRIORITY_CLASSES
 
 OPENAPI_PATH = "/openapi.json"
@@ -98,6 +99,9 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
                                               shapes.BATCH_GENERATION, headers=("idempotency-key", "priority",
                                                                                 "deadline"),
                                               example={"input": "hello"}),
+    ("POST", "/v1/moderations"): Operation("Check text with the caller's safety policy (OpenAI moderation shape)",
+                                           ModerationRequest, shapes.MODERATION,
+                                           example={"input": ["a text to check"]}),
     ("GET", "/v1/models"): Operation("The served models", response=shapes.MODEL_LIST, errors=LOOKUP_ERRORS,
                                      headers=("priority",)),
     ("GET", "/v1/models/{model_id}"): Operation("One served model, by name or alias", response=shapes.MODEL,

@@ -66,6 +66,14 @@ BATCH_GENERATION = _object({
     "model": {"type": "string"}, "output": {"type": "string"}, "batch": {"type": "object"},
 })
 
+MODERATION = _object({
+    "id": {"type": "string"}, "model": {"type": "string"},
+    "results": {"type": "array", "items": _object({
+        "flagged": {"type": "boolean"},
+        "categories": {"type": "object", "additionalProperties": {"type": "boolean"}},
+        "category_scores": {"type": "object", "additionalProperties": {"type": "number"}}})},
+})
+
 MODEL = _object({
     "id": {"type": "string"}, "object": {"const": "model"}, "created": _INT, "owned_by": {"type": "string"},
     "type": {"const": "model"}, "display_name": {"type": "string"}, "created_at": {"type": "string"},

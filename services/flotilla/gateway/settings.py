@@ -56,6 +56,7 @@ class GatewaySettings:
     metrics_host: str | None = None  # None: the public host
     metrics_port_file: str | None = None
     batch: BatchSettings = field(default_factory=BatchSettings)  # batch jobs (/v1/batches, /v1/messages/batches)
+    safety_config: Path | None = None  # safety policies (JSON, safety/config.py); None: nothing is screened
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:

@@ -14,6 +14,7 @@ from starlette.types import Scope
 
 from flotilla.engine.request import FinishReason
 from flotilla.gateway.errors import GatewayError
+from flotilla.gateway.safety.filtered import CONTENT_FILTER_CODE, Filtered
 from flotilla.observability.latency import StreamTimer
 from flotilla.observability.propagation import Metadata, outgoing_metadata
 from flotilla.observability.request_log import log_request
@@ -67,6 +68,8 @@ class GatewayRequestTelemetry:
     def on_event(self, event: StreamEvent) -> None:
         if type(event) is Finished and event.reason is not FinishReason.ABORT:  # an abort ends as an error
             self.outcome = event.reason.value
+        elif type(event) is Filtered:
+            self.outcome = CONTENT_FILTER_CODE
 
     def on_end(self, error: GatewayError | None) -> None:
         if error is not None:

@@ -5,7 +5,8 @@ leaves checkpoint records (status open: at admission, then, streamed, every `che
 gateway killed mid-stream still bills what it had delivered up to its last checkpoint, once (summary.unique); a
 request that had delivered nothing bills nothing.
 
-Billed output tokens are the tokens relayed to the handler (for a stream: sent to the client); the prompt
+Billed output tokens are the tokens relayed to the handler (for a stream: sent to the client; an answer the
+safety stage stopped, status `filtered`, bills those sent before the block); the prompt
 and cached counts come from the router's Finished event (the caller's prompt even after a resume), the
 attempts and model version from the router's last event.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -21,18 +23,22 @@ from flotilla.api.common.v1 import common_pb2 as common
 from flotilla.engine.new_request import NewRequest
 from flotilla.engine.request import FinishReason
 from flotilla.gateway.errors import GatewayError
+from flotilla.gateway.safety.filtered import Filtered, Withheld
 from flotilla.rpc.stream_events import Chunk, Error, Finished, StreamEvent
 from flotilla.usage.ledger import UsageLedger
-from flotilla.usage.record import STATUS_CANCELLED, STATUS_ERROR, STATUS_OK, STATUS_OPEN, UsageRecord
+from flotilla.usage.record import (STATUS_CANCELLED, STATUS_ERROR, STATUS_FILTERED, STATUS_OK, STATUS_OPEN,
+                                    UsageRecord)
 
 
 class UsageLedgerTap:
     __slots__ = ("_ledger", "_request", "_model", "_key_id", "_started_at", "_num_output_tokens", "_status",
-                 "_error_code", "_last", "_next_checkpoint", "_settled", "_streamed", "_batch_item")
+                 "_error_code", "_last", "_next_checkpoint", "_settled", "_streamed", "_batch_item", "_withheld")
 
     def __init__(self, ledger: UsageLedger, request: NewRequest, requested_model: str, key_id: str,
-                 streamed: bool = False, batch_item: tuple[str, int] | None = None):
+                 streamed: bool = False, batch_item: tuple[str, int] | None = None,
+                 withheld: Callable[[], int] | None = None):
         self._ledger = ledger
+        self._withheld = withheld  # relayed tokens not (yet) sent to the client: a checkpoint does not bill them
         self._streamed = streamed  # else nothing reaches the caller before the end: no checkpoint bills output
         self._request = request
         self._model = requested_model
@@ -52,11 +58,17 @@ class UsageLedgerTap:
             self._num_output_tokens += len(event.token_ids)
             if self._streamed and time.monotonic() >= self._next_checkpoint:
                 self._next_checkpoint = time.monotonic() + self._ledger.checkpoint_interval_s
-                self._ledger.record(self.record(STATUS_OPEN))
+                withheld = self._withheld() if self._withheld is not None else 0
+                self._ledger.record(self.record(STATUS_OPEN, withheld))
         elif type(event) is Finished:
             self._last = event
             aborted = event.reason is FinishReason.ABORT
             self._status, self._error_code = (STATUS_ERROR, "aborted") if aborted else (STATUS_OK, "")
+        elif type(event) is Withheld:
+            self._num_output_tokens -= event.num_tokens
+        elif type(event) is Filtered:  # held-back chunks were relayed here but never sent: not billed
+            self._num_output_tokens = event.usage.completion_tokens
+            self._status, self._error_code = STATUS_FILTERED, event.verdict.category
         else:
             self._last = event
             self._status, self._error_code = STATUS_ERROR, common.ErrorCode.Name(event.code)
@@ -75,7 +87,7 @@ class UsageLedgerTap:
         # shielded: a client gone during the write cancels the handler, not the write (which queues on failure)
         await asyncio.shield(self._ledger.settle(self.record()))
 
-    def record(self, status: str | None = None) -> UsageRecord:
+    def record(self, status: str | None = None, num_withheld_tokens: int = 0) -> UsageRecord:
         last, request = self._last, self._request
         usage = last.usage if type(last) is Finished else None
         version = last.model_version if last is not None else ""
@@ -87,6 +99,6 @@ class UsageLedgerTap:
             model=f"{name}@{version}" if version else self._model, model_version=version,
             input_tokens=(usage.prompt_tokens if usage is not None else 0) or request.num_prompt_tokens,
             cached_input_tokens=usage.cached_prompt_tokens if usage is not None else 0,
-            output_tokens=self._num_output_tokens, status=status or self._status, error_code=self._error_code,
-            attempts=attempts, started_at=self._started_at, finished_at=time.time(), batch_id=batch_id,
-            batch_item=batch_item)
+            output_tokens=self._num_output_tokens - num_withheld_tokens, status=status or self._status,
+            error_code=self._error_code, attempts=attempts, started_at=self._started_at, finished_at=time.time(),
+            batch_id=batch_id, batch_item=batch_item)

@@ -32,6 +32,7 @@ class JobOwner:
     tier: str
     limits: dict  # tenancy Limits fields
     cache_salt: str = ""
+    safety_policy: str = ""  # its items are screened as the owner's own requests are
 
 
 @dataclass

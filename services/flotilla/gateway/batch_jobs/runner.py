@@ -227,7 +227,7 @@ class BatchRunner:
     async def _run_item(self, job: BatchJob, index: int, item: dict) -> None:
         owner = job.owner
         principal = Principal(owner.key_id, owner.tenant, owner.tier, "batch", Limits(**owner.limits),
-                              owner.cache_salt, batch_item=(job.id, index))
+                              owner.cache_salt, batch_item=(job.id, index), safety_policy=owner.safety_policy)
         body = item["body"]
         if body.get("stream"):
             dialect = Dialect.ANTHROPIC if job.dialect == ANTHROPIC else Dialect.OPENAI

@@ -63,7 +63,7 @@ class BatchJobs:
     def new_job(self, job_id: str, dialect: str, principal: Principal, endpoint: str, **fields) -> BatchJob:
         now = time.time()
         owner = JobOwner(principal.key_id, principal.tenant, principal.tier, asdict(principal.limits),
-                         principal.cache_salt)
+                         principal.cache_salt, principal.safety_policy)
         return BatchJob(job_id, dialect, owner, endpoint, now, now + self.settings.completion_window_s,
                         times={}, **fields)
 
