@@ -55,10 +55,20 @@ def test_a_route_added_later_appears_with_auth_and_its_dialects_errors(gateway):
     assert operation["responses"]["401"]["content"]["application/json"]["schema"]["$ref"].endswith("OpenAIError")
 
 
+# POST routes whose handlers read no body (the batch id is in the path).
+BODILESS_POSTS = {"/v1/batches/{batch_id}/cancel", "/v1/messages/batches/{batch_id}/cancel"}
+
+
 def test_requests_have_their_schemas_with_bounds_and_field_support(document):
     for path, item in document["paths"].items():
-        if "post" in item:
+        if "post" in item and path not in BODILESS_POSTS:
             assert item["post"]["requestBody"]["required"], path
+    assert not any("requestBody" in document["paths"][path]["post"] for path in BODILESS_POSTS)
+    upload = document["paths"]["/v1/files"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+    assert upload["required"] == ["purpose", "file"] and upload["properties"]["file"]["format"] == "binary"
+    batch = _resolve(document, document["paths"]["/v1/messages/batches"]["post"]["requestBody"]["content"]
+                     ["application/json"]["schema"])
+    assert batch["properties"]["requests"]["minItems"] == 1 and batch["properties"]["requests"]["maxItems"] > 1
     chat = _resolve(document, document["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]
                     ["application/json"]["schema"])
     assert chat["properties"]["messages"]["maxItems"] == MAX_MESSAGES
@@ -108,3 +118,42 @@ def test_success_bodies_match_their_documented_schemas(gateway, document):
         assert response.status_code == 200, response.text
         schema = document["paths"][path][method]["responses"]["200"]["content"]["application/json"]["schema"]
         jsonschema.validate(response.json(), schema)
+
+
+def test_batch_job_bodies_match_their_documented_schemas(gateway, document):
+    """Each batch route's success body (JSON, or JSONL as the media type documented) and a 404 in its dialect."""
+    headers = {"x-api-key": gateway.paid_key}
+    line = document["paths"]["/v1/files"]["post"]["requestBody"]["content"]["multipart/form-data"]["example"]["file"]
+
+    def call(method: str, path: str, ids: dict, **kwargs) -> httpx.Response:
+        response = httpx.request(method, gateway.base_url + path.format(**ids), headers=headers, **kwargs)
+        documented = document["paths"][path][method.lower()]["responses"][str(response.status_code)]
+        (media_type, spec), = documented["content"].items()
+        assert response.headers["content-type"].startswith(media_type), (path, response.headers)
+        if media_type == "application/json":
+            jsonschema.validate(response.json(), {**_resolve(document, spec["schema"]),
+                                                  "components": document["components"]})
+        return response
+
+    file = call("POST", "/v1/files", {}, files={"file": ("in.jsonl", line.encode())},
+                data={"purpose": "batch"}).json()
+    ids = {"file_id": file["id"]}
+    assert call("GET", "/v1/files/{file_id}/content", ids).text == line
+    call("GET", "/v1/files/{file_id}", ids)
+    batch = call("POST", "/v1/batches", {}, json={"input_file_id": file["id"], "endpoint": "/v1/chat/completions",
+                                                  "completion_window": "24h"}).json()
+    ids["batch_id"] = batch["id"]
+    call("GET", "/v1/batches", {}, params={"limit": 2})
+    call("GET", "/v1/batches/{batch_id}", ids)
+    call("POST", "/v1/batches/{batch_id}/cancel", ids)
+    message_batch = call("POST", "/v1/messages/batches", {}, json={"requests": [
+        {"custom_id": "a", "params": {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user",
+                                                                                      "content": "hi"}]}}]}).json()
+    ids["batch_id"] = message_batch["id"]
+    call("GET", "/v1/messages/batches", {}, params={"limit": 2})
+    call("GET", "/v1/messages/batches/{batch_id}", ids)
+    call("POST", "/v1/messages/batches/{batch_id}/cancel", ids)
+    assert call("GET", "/v1/messages/batches/{batch_id}", ids).status_code == 200
+    call("DELETE", "/v1/files/{file_id}", ids)
+    assert call("GET", "/v1/files/{file_id}", ids).status_code == 404
+    assert call("GET", "/v1/messages/batches/{batch_id}/results", {"batch_id": "msgbatch_nope"}).status_code == 404

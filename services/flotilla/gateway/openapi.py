@@ -9,6 +9,7 @@ served by middlewares (resumable stream reconnects) are added from MIDDLEWARE_PA
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,8 @@ from flotilla.gateway.admission import DEADLINE_HEADER, MAX_DEADLINE_DIGITS
 from flotilla.gateway.anthropic_schema import CountTokensRequest, MessagesRequest
 from flotilla.gateway.auth import PRIORITY_HEADER
 from flotilla.gateway.batch_api import BatchGenerateRequest
+from flotilla.gateway.batch_jobs.anthropic_batches import CreateMessageBatch
+from flotilla.gateway.batch_jobs.openai_batches import MAX_PAGE, CreateBatchRequest
 from flotilla.gateway.dialects import Dialect, dialect_for_path
 from flotilla.gateway.errors import ErrorKind
 from flotilla.gateway.idempotency import MAX_KEY_LENGTH
@@ -45,12 +48,13 @@ ALL_ERRORS = tuple(sorted({kind.status for kind in ErrorKind if kind is not Erro
 LOOKUP_ERRORS = (400, 401, 403, 404, 500, 503)  # what GET routes behind authentication can answer
 PROBE_ERRORS = (503,)
 IDEMPOTENCY_ERRORS = (409, 422)  # idempotency.py: the key's first request still runs / had another body
+BATCH_CREATE_ERRORS = (400, 401, 403, 404, 413, 500, 503)  # batch_jobs/: authenticate, read_body, the checks
 
 
 @dataclass(frozen=True)
 class Operation:
     summary: str
-    request: type[BaseModel] | None = None
+    request: type[BaseModel] | None = None  # a JSON body of this model; None: the handler reads no body
     response: dict = field(default_factory=lambda: {"type": "object"})
     streams: bool = False  # with "stream": true the answer is text/event-stream
     errors: tuple[int, ...] = ALL_ERRORS
@@ -58,6 +62,9 @@ class Operation:
     headers: tuple[str, ...] = ()  # names in HEADERS
     fields: dict[str, field_support.Status] | None = None  # the field_support table for the request's fields
     example: dict | None = None  # a valid body (without "model": the gateway's --default-model, if it has one)
+    response_type: str = "application/json"  # the success body's media type
+    form: dict | None = None  # a multipart/form-data body of this schema (instead of `request`)
+    query: tuple[str, ...] = ()  # names in QUERY
 
 
 _CHAT_EXAMPLE = {"max_tokens": 8, "messages": [{"role": "user", "content": "Say hello"}]}
@@ -80,6 +87,21 @@ HEADERS = {
                   "any other value: it does not", "schema": {"type": "string"}},
 }
 GENERATION_HEADERS = ("idempotency-key", "priority", "deadline", "resumable")
+
+# Query parameters of the batch lists, as batch_jobs/ parses them (an unknown cursor is a 400).
+_PAGE_LIMIT = {"name": "limit", "description": "page size (default 20)",
+               "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}}
+QUERY = {
+    "limit": _PAGE_LIMIT,
+    "after": {"name": "after", "description": "the id of the last batch of the previous page",
+              "schema": {"type": "string"}},
+    "after_id": {"name": "after_id", "description": "the page after this message batch id",
+                 "schema": {"type": "string"}},
+    "before_id": {"name": "before_id", "description": "the page before this message batch id",
+                  "schema": {"type": "string"}},
+}
+_BATCH_LINE = {"custom_id": "request-1", "method": "POST", "url": "/v1/chat/completions",
+               "body": {"max_tokens": 8, "messages": [{"role": "user", "content": "Say hello"}]}}
 
 OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/v1/chat/completions"): Operation("Chat completion (OpenAI)", ChatCompletionRequest,
@@ -106,6 +128,43 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
                                      headers=("priority",)),
     ("GET", "/v1/models/{model_id}"): Operation("One served model, by name or alias", response=shapes.MODEL,
                                                 errors=LOOKUP_ERRORS, headers=("priority",)),
+    ("POST", "/v1/files"): Operation("Upload a JSONL batch input file (OpenAI)", response=shapes.FILE,
+                                     form=shapes.FILE_UPLOAD, errors=BATCH_CREATE_ERRORS,
+                                     example={"purpose": "batch", "file": json.dumps(_BATCH_LINE) + "\n"}),
+    ("GET", "/v1/files/{file_id}"): Operation("One file (OpenAI)", response=shapes.FILE, errors=LOOKUP_ERRORS),
+    ("DELETE", "/v1/files/{file_id}"): Operation("Delete a file (OpenAI)", response=shapes.FILE_DELETED,
+                                                 errors=LOOKUP_ERRORS),
+    ("GET", "/v1/files/{file_id}/content"): Operation("A file's content: an upload, or a batch's output or error "
+                                                      "file (OpenAI)", response=shapes.JSONL,
+                                                      response_type="application/jsonl", errors=LOOKUP_ERRORS),
+    ("POST", "/v1/batches"): Operation("Create a batch job from an uploaded file (OpenAI)", CreateBatchRequest,
+                                       shapes.BATCH, errors=BATCH_CREATE_ERRORS,
+                                       example={"input_file_id": "file-abc", "endpoint": "/v1/chat/completions",
+                                                "completion_window": "24h"}),
+    ("GET", "/v1/batches"): Operation("The caller's batch jobs, newest first (OpenAI)", response=shapes.BATCH_LIST,
+                                      errors=LOOKUP_ERRORS, query=("limit", "after")),
+    ("GET", "/v1/batches/{batch_id}"): Operation("One batch job (OpenAI)", response=shapes.BATCH,
+                                                 errors=LOOKUP_ERRORS),
+    ("POST", "/v1/batches/{batch_id}/cancel"): Operation("Cancel a batch job (OpenAI; 400 once it has ended)",
+                                                         response=shapes.BATCH, errors=LOOKUP_ERRORS),
+    ("POST", "/v1/messages/batches"): Operation("Create a message batch (Anthropic)", CreateMessageBatch,
+                                                shapes.MESSAGE_BATCH, errors=BATCH_CREATE_ERRORS,
+                                                example={"requests": [{"custom_id": "request-1",
+                                                                       "params": _CHAT_EXAMPLE}]}),
+    ("GET", "/v1/messages/batches"): Operation("The caller's message batches, newest first (Anthropic)",
+                                               response=shapes.MESSAGE_BATCH_LIST, errors=LOOKUP_ERRORS,
+                                               query=("limit", "after_id", "before_id")),
+    ("GET", "/v1/messages/batches/{batch_id}"): Operation("One message batch (Anthropic)",
+                                                          response=shapes.MESSAGE_BATCH, errors=LOOKUP_ERRORS),
+    ("POST", "/v1/messages/batches/{batch_id}/cancel"): Operation("Cancel a message batch (Anthropic; an ended "
+                                                                  "one is answered as it is)",
+                                                                  response=shapes.MESSAGE_BATCH,
+                                                                  errors=LOOKUP_ERRORS),
+    ("GET", "/v1/messages/batches/{batch_id}/results"): Operation("An ended message batch's results (Anthropic; "
+                                                                  "400 while it processes)",
+                                                                  response=shapes.MESSAGE_BATCH_RESULTS,
+                                                                  response_type="application/binary",
+                                                                  errors=LOOKUP_ERRORS),
     ("GET", "/healthz"): Operation("Liveness", response=shapes.HEALTH, errors=PROBE_ERRORS, authenticated=False),
     ("GET", "/readyz"): Operation("Readiness: the router answers and serves a model", response=shapes.HEALTH,
                                   errors=PROBE_ERRORS, authenticated=False),
@@ -137,6 +196,9 @@ def build(app: FastAPI) -> dict[str, Any]:
     components = document.setdefault("components", {})
     schemas = components.setdefault("schemas", {})
     schemas.update(_request_schemas())
+    batch_jobs = getattr(app.state, "batch_jobs", None)
+    if batch_jobs is not None:  # this gateway's --batch-max-requests
+        schemas["CreateMessageBatch"]["properties"]["requests"]["maxItems"] = batch_jobs.settings.max_requests
     schemas["OpenAIError"], schemas["AnthropicError"] = shapes.OPENAI_ERROR, shapes.ANTHROPIC_ERROR
     components["securitySchemes"] = SECURITY_SCHEMES
     for method, path, dialect in [*_app_operations(app), *_middleware_operations(), ("GET", OPENAPI_PATH,
@@ -174,12 +236,13 @@ def _describe(operation: dict, method: str, path: str, dialect: Dialect) -> None
     if spec is not None:
         operation["summary"] = spec.summary
         parameters += [{**HEADERS[name], "in": "header", "required": False} for name in spec.headers]
-        if spec.request is not None:
-            body = {"schema": {"$ref": f"#/components/schemas/{spec.request.__name__}"}}
-            if spec.example is not None:
-                body["example"] = spec.example
-            operation["requestBody"] = {"required": True, "content": {"application/json": body}}
-        content = {"application/json": {"schema": spec.response}} if spec.response is not shapes.SSE else {}
+        parameters += [{**QUERY[name], "in": "query", "required": False} for name in spec.query]
+        if spec.request is not None or spec.form is not None:
+            media_type = "application/json" if spec.form is None else "multipart/form-data"
+            schema = spec.form or {"$ref": f"#/components/schemas/{spec.request.__name__}"}
+            body = {"schema": schema} if spec.example is None else {"schema": schema, "example": spec.example}
+            operation["requestBody"] = {"required": True, "content": {media_type: body}}
+        content = {spec.response_type: {"schema": spec.response}} if spec.response is not shapes.SSE else {}
         if spec.streams or spec.response is shapes.SSE:
             content["text/event-stream"] = {"schema": shapes.SSE}
         responses.clear()

@@ -85,4 +85,63 @@ MODEL_LIST = _object({"object": {"const": "list"}, "data": {"type": "array", "it
 
 HEALTH = _object({"status": {"enum": ["ok", "ready", "degraded", "unavailable"]}}, )
 
-SSE = {"type": "string", "description": "Server-sent events: the dialect's stream events, then its end"}
+# Under text/event-stream an OpenAPI 3.1 `schema` describes each event (3.2 has itemSchema for that).
+SSE = _object({"event": {"type": "string"}, "data": {"type": "string"}, "id": {"type": "string"},
+               "retry": _INT}, required=["data"])
+SSE["description"] = "Server-sent events: the dialect's stream events, then its end"
+
+# Batch jobs (batch_jobs/): OpenAI's File and Batch objects, Anthropic's MessageBatch.
+FILE = _object({
+    "id": {"type": "string"}, "object": {"const": "file"}, "bytes": _INT, "created_at": _INT,
+    "filename": {"type": "string"}, "purpose": {"const": "batch"}, "status": {"const": "processed"},
+    "status_details": {"type": "null"}, "expires_at": {"type": "null"}}, closed=True)
+
+FILE_DELETED = _object({"id": {"type": "string"}, "object": {"const": "file"}, "deleted": {"type": "boolean"}},
+                       closed=True)
+
+JSONL = {"type": "string", "description": "JSON Lines: one JSON object per line"}
+
+_NULLABLE_INT = {"type": ["integer", "null"]}
+_LINE_ERROR = _object({"code": _NULLABLE_STRING, "message": {"type": "string"}, "param": _NULLABLE_STRING,
+                       "line": _NULLABLE_INT}, required=["message"])
+BATCH = _object({
+    "id": {"type": "string"}, "object": {"const": "batch"},
+    "endpoint": {"enum": ["/v1/chat/completions", "/v1/completions"]}, "model": {"type": "null"},
+    "errors": {"anyOf": [{"type": "null"}, _object({"object": {"const": "list"},
+                                                    "data": {"type": "array", "items": _LINE_ERROR}})]},
+    "input_file_id": {"type": "string"}, "completion_window": {"const": "24h"},
+    "status": {"enum": ["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
+                        "cancelled"]},
+    "output_file_id": _NULLABLE_STRING, "error_file_id": _NULLABLE_STRING, "created_at": _INT, "expires_at": _INT,
+    **{f"{status}_at": _NULLABLE_INT for status in ("in_progress", "finalizing", "completed", "failed", "expired",
+                                                    "cancelling", "cancelled")},
+    "request_counts": _object({"total": _INT, "completed": _INT, "failed": _INT}, closed=True),
+    "metadata": {"type": ["object", "null"], "additionalProperties": {"type": "string"}},
+}, closed=True)
+
+BATCH_LIST = _object({"object": {"const": "list"}, "data": {"type": "array", "items": BATCH},
+                      "first_id": _NULLABLE_STRING, "last_id": _NULLABLE_STRING, "has_more": {"type": "boolean"}},
+                     closed=True)
+
+_TIMESTAMP = {"type": "string", "format": "date-time"}
+_NULLABLE_TIMESTAMP = {"anyOf": [_TIMESTAMP, {"type": "null"}]}
+MESSAGE_BATCH = _object({
+    "id": {"type": "string"}, "type": {"const": "message_batch"},
+    "processing_status": {"enum": ["in_progress", "canceling", "ended"]},
+    "request_counts": _object({"processing": _INT, "succeeded": _INT, "errored": _INT, "canceled": _INT,
+                               "expired": _INT}, closed=True),
+    "ended_at": _NULLABLE_TIMESTAMP, "created_at": _TIMESTAMP, "expires_at": _TIMESTAMP,
+    "archived_at": {"type": "null"}, "cancel_initiated_at": _NULLABLE_TIMESTAMP, "results_url": _NULLABLE_STRING,
+}, closed=True)
+
+MESSAGE_BATCH_LIST = _object({"data": {"type": "array", "items": MESSAGE_BATCH}, "has_more": {"type": "boolean"},
+                              "first_id": _NULLABLE_STRING, "last_id": _NULLABLE_STRING}, closed=True)
+
+MESSAGE_BATCH_RESULTS = {"type": "string", "description": "JSON Lines, one per request in order: {\"custom_id\", "
+                         "\"result\": {\"type\": \"succeeded\", \"message\"} | {\"type\": \"errored\", \"error\"} | "
+                         "{\"type\": \"canceled\"} | {\"type\": \"expired\"}}"}
+
+FILE_UPLOAD = _object({
+    "purpose": {"const": "batch", "description": "the only purpose this API keeps"},
+    "file": {"type": "string", "format": "binary", "description": "UTF-8 JSONL: one request per line, within "
+             "the gateway's --batch-* limits of bytes, lines and bytes per line"}})

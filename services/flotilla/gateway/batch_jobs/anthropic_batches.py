@@ -30,8 +30,10 @@ _PROCESSING = {VALIDATING: "in_progress", IN_PROGRESS: "in_progress", CANCELLING
 
 
 class BatchRequestItem(RequestModel):
-    custom_id: str
-    params: dict
+    # custom_id is checked by create_batch (its own message); the pattern only describes it in /openapi.json.
+    custom_id: str = pydantic.Field(json_schema_extra={"pattern": f"^{CUSTOM_ID.pattern}$"})
+    params: dict = pydantic.Field(description="a POST /v1/messages body, checked when the request runs (a bad "
+                                  "one is an errored result)")
 
 
 class CreateMessageBatch(RequestModel):

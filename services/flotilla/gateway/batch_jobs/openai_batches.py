@@ -26,8 +26,9 @@ _TIMES = ("in_progress", "finalizing", "completed", "failed", "expired", "cancel
 
 class CreateBatchRequest(RequestModel):
     input_file_id: str
-    endpoint: str
-    completion_window: str
+    # Checked by create_batch (its own messages); the enums only describe them in /openapi.json.
+    endpoint: str = pydantic.Field(json_schema_extra={"enum": list(ENDPOINTS)})
+    completion_window: str = pydantic.Field(json_schema_extra={"enum": ["24h"]})
     metadata: dict[str, str] | None = pydantic.Field(default=None, max_length=16)
 
 
