@@ -265,3 +265,7 @@ def test_file_size_and_line_limits(short_window_gateway):
                            headers={"authorization": f"Bearer {short_window_gateway.paid_key}",
                                     "content-type": "multipart/form-data; boundary=x"})
     assert malformed.status_code == 400 and malformed.json()["error"]["type"] == "invalid_request_error"
+    too_many_fields = httpx.post(f"{short_window_gateway.base_url}/v1/files",  # starlette's limit, as a 400
+                                 files={"file": ("in.jsonl", b"{}\n")}, data={f"f{i}": "x" for i in range(5)},
+                                 headers={"authorization": f"Bearer {short_window_gateway.paid_key}"})
+    assert too_many_fields.status_code == 400 and "Too many fields" in too_many_fields.json()["error"]["message"]

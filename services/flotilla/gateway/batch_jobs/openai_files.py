@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -67,6 +68,8 @@ async def _form(request: Request, body: bytes, limit: int):
         return await Request(request.scope, replay).form(max_files=1, max_fields=4, max_part_size=limit)
     except MultiPartException as err:  # starlette's, for python-multipart's parse errors and the limits
         raise GatewayError(ErrorKind.INVALID_REQUEST, f"malformed multipart body: {err}") from err
+    except HTTPException as err:  # the same, as starlette raises them for a scope with an app (always, here)
+        raise GatewayError(ErrorKind.INVALID_REQUEST, f"malformed multipart body: {err.detail}") from err
 
 
 def _check_jsonl(content: bytes, settings: BatchSettings) -> None:
