@@ -151,6 +151,12 @@ def test_messages_refusals_name_the_field(document, field):
     assert caught.value.param == field and f"{field} is not supported" in caught.value.message
 
 
+@pytest.mark.parametrize("tool_choice", [[None, None], "auto", 3])
+def test_a_tool_choice_of_the_wrong_type_is_left_to_the_schema(tool_choice):
+    fs.check_messages({"tool_choice": tool_choice})  # no crash: MessagesRequest answers the 400
+    fs.check_count_tokens({"tool_choice": tool_choice})
+
+
 def test_structured_output_fields_pass_the_table():
     # What they ask for is checked by structured_params.py (a bad schema is a 400 naming the field).
     for document in ({"response_format": {"type": "json_schema", "json_schema": {}}}, {"guided_json": {}},

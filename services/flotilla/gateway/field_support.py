@@ -44,7 +44,9 @@ def _structured(note: str) -> Status:
 
 
 def _anthropic_tool_choice(value: Any) -> str | None:
-    kind = value.get("type") if isinstance(value, Mapping) else None
+    if not isinstance(value, Mapping):
+        return None  # the schema says what is wrong with it
+    kind = value.get("type")
     if kind == "tool" and not value.get("name"):
         return "type 'tool' needs the tool's name"
     if value.get("disable_parallel_tool_use") and kind not in ("any", "tool"):
