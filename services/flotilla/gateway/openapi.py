@@ -48,7 +48,7 @@ ALL_ERRORS = tuple(sorted({kind.status for kind in ErrorKind if kind is not Erro
 LOOKUP_ERRORS = (400, 401, 403, 404, 500, 503)  # what GET routes behind authentication can answer
 PROBE_ERRORS = (503,)
 IDEMPOTENCY_ERRORS = (409, 422)  # idempotency.py: the key's first request still runs / had another body
-BATCH_CREATE_ERRORS = (400, 401, 403, 404, 413, 500, 503)  # batch_jobs/: authenticate, read_body, the checks
+BATCH_CREATE_ERRORS = (400, 401, 403, 413, 500, 503)  # batch_jobs/: authenticate, read_body, the checks
 
 
 @dataclass(frozen=True)
