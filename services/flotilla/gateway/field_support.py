@@ -3,7 +3,7 @@
 Each endpoint's top-level fields map to a status: Supported (it works), Unsupported (a 400 naming the field, unless
 its value is null) or Partly (some values work; `check` says why another is refused). A field in no table is
 refused as unknown: nothing a client sends is silently dropped. Values inside messages (content types, roles) and
-tool definitions have their own small tables below. The README's field table is generated from these tables
+tool definitions have their own small tables below. The field table in docs/api.md is generated from these tables
 (`markdown_table`), and tests walk the installed `openai` and `anthropic` SDKs' request types against them.
 """
 
@@ -291,7 +291,7 @@ def _check_value(path: str, table: Mapping[str, Status], value: Any) -> None:
         raise unsupported(path, f"{value!r}: {status.reason}")
 
 
-# -- the README table ---------------------------------------------------------------------------------------------
+# -- the docs/api.md table ---------------------------------------------------------------------------------------------
 
 ENDPOINT_TABLES: dict[str, Mapping[str, Status]] = {
     "POST /v1/chat/completions": CHAT_FIELDS,
@@ -318,7 +318,7 @@ def describe(status: Status) -> str:
 
 
 def markdown_table() -> str:
-    """The README's table of every field, generated from the tables above."""
+    """docs/api.md's table of every field, generated from the tables above."""
     lines = ["| where | field or value | status |", "| --- | --- | --- |"]
     for where, table in {**ENDPOINT_TABLES, **VALUE_TABLES}.items():
         if table is COUNT_TOKENS_FIELDS:
