@@ -114,3 +114,22 @@ def test_redis_outage_then_automatic_recovery(tenancy_fleet):
     for url in tenancy_fleet.urls:
         wait_until(lambda url=url: httpx.get(f"{url}/healthz").json()["status"] == "ok", 15, f"{url} healthy",
                    interval_s=0.05)
+
+
+async def test_one_tenants_prompt_never_hits_another_tenants_prefix_cache(tenancy_fleet):
+    """The engine's prefix cache is salted per tenant (the key's cache salt, else its tenant): the same prompt from
+    another tenant is computed afresh, while the first tenant's repeat hits its own cached blocks."""
+    first, other = tenancy_fleet.create_key("cache-a"), tenancy_fleet.create_key("cache-b")
+    prompt = list(range(300, 300 + 96))  # six 16-token blocks, sent by no other test
+
+    async def cached_tokens(client: httpx.AsyncClient, key: str) -> int:
+        answer = await client.post(f"{tenancy_fleet.urls[0]}/v1/completions", headers={"authorization": f"Bearer {key}"},
+                                   json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0})
+        assert answer.status_code == 200, answer.text
+        return (answer.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        assert await cached_tokens(client, first) == 0
+        assert await cached_tokens(client, first) > 0  # the cache works: the same tenant's repeat hits it
+        assert await cached_tokens(client, other) == 0  # another tenant's identical prompt does not
+        assert await cached_tokens(client, other) > 0
