@@ -11,6 +11,7 @@ import pytest
 
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.engine import LLMEngine
+from flotilla.engine.kv_cache_manager import KVCacheIntegrityError
 from flotilla.engine.new_request import NewRequest
 from flotilla.engine.remote_prefill import RemoteTarget, release, try_reserve
 from flotilla.engine.sampling_params import SamplingParams
@@ -178,3 +179,18 @@ def test_disaggregated_random_cancels_leak_nothing(tiny_checkpoint):
         assert all(flow.counts.values()), flow.counts  # every phase was cancelled at least once
     finally:
         pair.close()
+
+
+def test_engine_integrity_reports_a_reservation_nobody_holds(tiny_checkpoint):
+    engine = _engine(tiny_checkpoint)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    reservation = try_reserve(engine, NewRequest("r", tuple(range(3, 20)), params))
+    assert reservation is not None and engine.check_integrity()
+    with pytest.raises(KVCacheIntegrityError, match="request r: holds device blocks .* but is not live"):
+        engine.check_integrity(reserved_request_ids=())  # its holder (the decode side) forgot it
+    engine.reserved_request_ids.clear()
+    with pytest.raises(KVCacheIntegrityError, match="request r"):
+        engine.check_integrity()
+    engine.reserved_request_ids.add("r")
+    release(engine, reservation)
+    _assert_all_free(engine)
