@@ -5,7 +5,9 @@ blocks count as free) and check_integrity, which reports block tables of no live
 
 from __future__ import annotations
 
+import asyncio
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,6 +18,8 @@ from flotilla.engine.new_request import NewRequest
 from flotilla.engine.remote_prefill import RemoteTarget, release, try_reserve
 from flotilla.engine.sampling_params import SamplingParams
 from flotilla.kv_transfer.copy_transport import CopyTransport
+
+from flotilla.worker.decode_side import DecodeSide
 
 from .engine_pair import EnginePair
 
@@ -194,3 +198,42 @@ def test_engine_integrity_reports_a_reservation_nobody_holds(tiny_checkpoint):
     engine.reserved_request_ids.add("r")
     release(engine, reservation)
     _assert_all_free(engine)
+
+
+class _GatedEngine:
+    """AsyncEngine.call's contract: the function runs on the engine even if its caller stops waiting."""
+
+    def __init__(self, llm: LLMEngine):
+        self.llm, self.gate, self.threads = llm, asyncio.Event(), []
+
+    async def call(self, fn):
+        ack = asyncio.get_running_loop().create_future()
+
+        async def engine_thread():  # submitted at once; runs fn even when nobody awaits its answer any more
+            await self.gate.wait()
+            result = fn(self.llm)
+            if not ack.done():
+                ack.set_result(result)
+
+        self.threads.append(asyncio.ensure_future(engine_thread()))
+        return await ack
+
+
+def test_decode_side_releases_a_reservation_whose_wait_was_cancelled(tiny_checkpoint):
+    engine = _GatedEngine(_engine(tiny_checkpoint))
+    decode_side = DecodeSide(SimpleNamespace(engine=engine), "127.0.0.1:1")
+    new = NewRequest("r", tuple(range(3, 20)), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+
+    async def cancel_while_reserving():
+        waiting = asyncio.ensure_future(decode_side._reserve(new, 1))
+        while not engine.threads:  # the call is submitted to the engine
+            await asyncio.sleep(0)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        engine.gate.set()  # the reservation lands only now, after its caller left
+        for _ in range(20):
+            await asyncio.sleep(0)
+
+    asyncio.run(cancel_while_reserving())
+    _assert_all_free(engine.llm)
