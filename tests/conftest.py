@@ -52,6 +52,7 @@ UNIT_PATHS = (
     "gateway/test_sse.py",
     "gateway/test_tool_parsers.py",
     "kv_transfer/test_affinity_and_arrivals.py",
+    "kv_transfer/test_cancel_safety.py",
     "launcher",
     "loadtest/test_workload.py",
     "models",

@@ -359,3 +359,20 @@ def test_copy_source_stays_held_until_end_step():
     kv.end_step()
     assert kv.swap_in(swapped) == [BlockCopy(src=0, dst=1)]
     assert kv.check_integrity()
+
+
+def test_check_integrity_reports_tables_of_no_live_request():
+    kv = KVCacheManager(6, BS, num_host_blocks=4)
+    live, orphan, swapped = _request("live", range(5)), _request("orphan", range(5)), _request("swapped", range(5))
+    for request in (live, orphan, swapped):
+        _run(kv, request)
+    assert kv.swap_out(swapped) is not None
+    assert kv.check_integrity()  # without the live set, only the block accounting is checked
+    with pytest.raises(KVCacheIntegrityError) as caught:
+        kv.check_integrity(live_request_ids={"live"})
+    assert "request orphan: holds device blocks" in str(caught.value)
+    assert "request swapped: holds host slots" in str(caught.value)
+    assert "request live" not in str(caught.value)
+    kv.free(orphan)
+    kv.free(swapped)
+    assert kv.check_integrity(live_request_ids={"live"})

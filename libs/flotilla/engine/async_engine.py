@@ -185,6 +185,9 @@ class AsyncEngine:
         self._submit(_Add(request.request_id, stream, ack, prefilled=prefilled))
         try:
             await ack
+        except asyncio.CancelledError:
+            stream.close()  # the engine admits it anyway (or frees it if it cannot): abort it
+            raise
         except BaseException:
             self._forget(stream)
             raise

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +82,8 @@ class LLMEngine:
             self.kv_cache_manager,
         )
         self._tracked: dict[str, _Tracked] = {}
+        # Requests whose blocks remote_prefill.try_reserve holds outside the scheduler (a remote prefill).
+        self.reserved_request_ids: set[str] = set()
         self._num_preemptions = 0
         self._last_step_seconds = 0.0
         self._num_prompt_tokens_total = 0
@@ -159,8 +161,17 @@ class LLMEngine:
         """Admit a request whose prompt K/V already sit in its blocks (written by a prefill worker) and
         continue from the first token that prefill produced; returns the output for that token."""
         request.num_computed_tokens = request.num_prompt_tokens
-        self.kv_cache_manager.publish_blocks(request, 0, request.num_prompt_tokens)
-        self.scheduler.adopt_running(request)
+        try:
+            self.kv_cache_manager.publish_blocks(request, 0, request.num_prompt_tokens)
+            self.scheduler.adopt_running(request)
+        except BaseException:
+            # Not admitted: its reservation is freed here, since its holder has handed it over. (A request
+            # id the scheduler already runs is another request's: its blocks are not this one's to free.)
+            if request.request_id in self.reserved_request_ids:
+                self.kv_cache_manager.free(request)
+                self.reserved_request_ids.discard(request.request_id)
+            raise
+        self.reserved_request_ids.discard(request.request_id)  # the scheduler owns its blocks now
         request.output_token_ids.append(first_token_id)
         tracked = self._tracked[request.request_id] = self._track(request)
         self._num_prompt_tokens_total += request.num_prompt_tokens
@@ -272,8 +283,12 @@ class LLMEngine:
             num_prompt_tokens_total=self._num_prompt_tokens_total,
         )
 
-    def check_integrity(self) -> bool:
-        return self.kv_cache_manager.check_integrity()
+    def check_integrity(self, reserved_request_ids: Collection[str] | None = None) -> bool:
+        """The KV invariants, including that every block table belongs to a live request: a scheduled one
+        or a reservation (`reserved_request_ids` from whoever holds them, else this engine's own record)."""
+        reserved = self.reserved_request_ids if reserved_request_ids is None else reserved_request_ids
+        live = set(self.scheduler.requests) | set(reserved)
+        return self.kv_cache_manager.check_integrity(live_request_ids=live)
 
 
 @dataclass

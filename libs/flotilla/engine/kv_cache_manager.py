@@ -10,6 +10,7 @@ then run in either order, since a copy-on-write source stays held until end_step
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -245,10 +246,14 @@ class KVCacheManager:
         return [BlockCopy(src=host, dst=device) for host, device in zip(host_table, table)]
 
     # ---- invariants ----------------------------------------------------------------------------
-    def check_integrity(self) -> bool:
-        """Raise KVCacheIntegrityError listing every broken invariant; True when all hold."""
+    def check_integrity(self, live_request_ids: Collection[str] | None = None) -> bool:
+        """Raise KVCacheIntegrityError listing every broken invariant; True when all hold. With
+        `live_request_ids` (the requests the engine still knows: scheduled or reserved), a device or host
+        block table of any other request is reported too: its blocks would never be freed."""
         holders = [0] * self.pool.num_blocks
         problems: list[str] = []
+        if live_request_ids is not None:
+            problems.extend(self._orphan_problems(live_request_ids))
         for request_id, table in self._tables.items():
             if len(set(table)) != len(table):
                 problems.append(f"request {request_id}: a block appears twice in its table {table}")
@@ -261,6 +266,14 @@ class KVCacheManager:
         if problems:
             raise KVCacheIntegrityError("; ".join(problems))
         return True
+
+    def _orphan_problems(self, live_request_ids: Collection[str]) -> list[str]:
+        live = set(live_request_ids)
+        problems = [f"request {rid}: holds device blocks {table} but is not live"
+                    for rid, table in self._tables.items() if rid not in live]
+        problems += [f"request {rid}: holds host slots {table} but is not live"
+                     for rid, table in self._host_tables.items() if rid not in live]
+        return problems
 
     def _host_problems(self) -> list[str]:
         used = [slot for table in self._host_tables.values() for slot in table]

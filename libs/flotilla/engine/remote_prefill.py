@@ -174,9 +174,11 @@ def try_reserve(engine: LLMEngine, new: NewRequest, min_remote_tokens: int = 1) 
         return None
     if kv.allocate_slots(request, num_uncached, computed, publish=False) is None:
         return None
+    engine.reserved_request_ids.add(request.request_id)
     return KVReservation(request, num_cached_blocks, kv.block_ids(new.request_id)[num_cached_blocks:])
 
 
 def release(engine: LLMEngine, reservation: KVReservation) -> None:
     """Free a reservation that will not be admitted (abort, timeout, failed prefill)."""
     engine.kv_cache_manager.free(reservation.request)
+    engine.reserved_request_ids.discard(reservation.request.request_id)

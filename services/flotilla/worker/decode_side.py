@@ -26,6 +26,8 @@ from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.kvtransfer.v1 import kv_transfer_pb2 as kpb
 from flotilla.api.kvtransfer.v1 import kv_transfer_pb2_grpc
 from flotilla.engine.async_engine import EngineDeadError, Prefilled, RequestStream
+from flotilla.engine.errors import InvalidRequestError
+from flotilla.engine.new_request import NewRequest
 from flotilla.engine.remote_prefill import KVReservation, release, try_reserve
 from flotilla.engine.scheduler_output import TokenLogprobs
 from flotilla.observability.kv_transfer import KVTransferMetrics
@@ -61,7 +63,7 @@ class DecodeSide:
         handoff = self._handoff
         new = new_request_from_proto(gen)  # a resumed stream's too
         min_tokens = handoff.settings.min_remote_prefill_tokens
-        reservation: KVReservation | None = await handoff.engine.call(lambda llm: try_reserve(llm, new, min_tokens))
+        reservation = await self._reserve(new, min_tokens)
         if reservation is None:
             return None
         # Unguessable: it is the only proof a peer has of taking part in this hand-off (GetTransferInfo,
@@ -86,7 +88,33 @@ class DecodeSide:
             span.end()
         handoff.incoming.pop(transfer_id, None)
         handoff.arrivals.forget(transfer_id)
-        return await handoff.engine.generate_prefilled(prefilled)
+        try:
+            return await handoff.engine.generate_prefilled(prefilled)
+        except InvalidRequestError:  # refused before the engine took it over (its id is in use here)
+            await self._release(transfer_id, reservation)
+            raise
+
+    async def _reserve(self, new: NewRequest, min_tokens: int) -> KVReservation | None:
+        """try_reserve on the engine thread. Cancel-safe: the reservation is made there even if this
+        coroutine is cancelled while waiting, so a cancelled wait releases it once it lands."""
+        engine = self._handoff.engine
+        reserving = asyncio.ensure_future(engine.call(lambda llm: try_reserve(llm, new, min_tokens)))
+        try:
+            return await asyncio.shield(reserving)
+        except asyncio.CancelledError:
+            reserving.add_done_callback(self._release_late)
+            raise
+
+    def _release_late(self, reserving: asyncio.Future[KVReservation | None]) -> None:
+        if reserving.cancelled() or reserving.exception() is not None or reserving.result() is None:
+            return
+        asyncio.ensure_future(self._free(reserving.result()))
+
+    async def _free(self, reservation: KVReservation) -> None:
+        try:
+            await self._handoff.engine.call(lambda llm: release(llm, reservation))
+        except EngineDeadError:
+            pass
 
     async def _fill(
         self, gen: pb.GenerateRequest, transfer_id: str, reservation: KVReservation, prefill_address: str,

@@ -66,7 +66,7 @@ def kv_state(engine: LLMEngine, reserved_request_ids: list[str]) -> kpb.KVState:
         num_waiting=engine.scheduler.num_waiting,
     )
     try:
-        state.integrity_ok = kv.check_integrity()
+        state.integrity_ok = engine.check_integrity()  # its own reservation record: exact on this thread
     except KVCacheIntegrityError as exc:
         state.integrity_error = str(exc)
     return state
