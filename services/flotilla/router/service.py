@@ -169,7 +169,8 @@ class RouterService(ModelLifecycleRpcs, router_pb2_grpc.RouterServiceServicer):
         forwarded = progress.next_request(placement.resolution.qualified)
         # Decode worker by prefix affinity, then a prefill worker; a retry (a resumed stream too) is planned
         # the same way, away from the workers it was lost on.
-        plan = self._disagg.plan(placement.worker, forwarded, avoid=progress.lost_worker_ids)
+        plan = self._disagg.plan(placement.worker, forwarded, avoid=progress.lost_worker_ids,
+                                 long_context=placement.long_context)
         forwarded.prefill_worker_address = plan.prefill_worker_address
         worker = plan.decode
         telemetry.running_on(worker.worker_id)
@@ -222,7 +223,8 @@ class RouterService(ModelLifecycleRpcs, router_pb2_grpc.RouterServiceServicer):
             # aborts the request in its engine.
             call.cancel()
             worker.num_inflight -= 1
-            self._registry.release(worker, request.tenant_id)  # its slot is free for the next queued request
+            # Its slot is free for the next queued request.
+            self._registry.release(worker, request.tenant_id, placement.long_context)
 
     def _record_tokens(self, placement: Placement, num_tokens: int, arrived_s: float | None) -> float | None:
         """Count relayed tokens for the token mix; the first ones also give a TTFT sample. Returns None
