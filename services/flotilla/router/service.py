@@ -19,6 +19,7 @@ from flotilla.rpc.tls import peer_identity
 from flotilla.rpc.stream_events import Chunk, StreamEvent
 from flotilla.router.admission import Admission, Placement, RouterError, Ticket
 from flotilla.router.batch_dispatcher import BatchDispatcher
+from flotilla.router.context_pools import POOLS
 from flotilla.router.disagg_planner import DisaggPlanner
 from flotilla.router.model_assets import RejectedAssetsError
 from flotilla.router.failover import DEFAULT_MAX_ATTEMPTS, StreamProgress, WorkerLost
@@ -252,6 +253,8 @@ class RouterService(ModelLifecycleRpcs, router_pb2_grpc.RouterServiceServicer):
         info = request.worker
         if not info.worker_id or not info.address or not info.model.name or not info.model.version:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker_id, address and model name/version needed")
+        if info.pool and info.pool not in POOLS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown pool {info.pool!r}; known: {POOLS}")
         owner = await self._owning_caller(info.worker_id, context)
         self._registry.register(info, owner)
         self._membership_changed()

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import threading
 
+import grpc
 import pytest
 
 from flotilla.api.common.v1 import common_pb2 as pb
+from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.router.v1 import router_pb2_grpc
 from flotilla.api.worker.v1 import worker_pb2_grpc
 from flotilla.engine.new_request import NewRequest
@@ -74,9 +76,15 @@ def sample(fleet, name: str, **labels: str) -> float:
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
-def test_workers_register_in_their_pools(fleet):
+def test_workers_register_in_their_pools_and_an_unknown_pool_is_refused(fleet):
     pools = {worker_id: status.worker.pool for worker_id, status in fleet.router_workers().items()}
     assert pools == {DEFAULT_WORKER: "", LONG_WORKER: "long-context"}
+    as_worker = router_pb2_grpc.RouterServiceStub(channel(fleet.fleet.router_address, client_role="worker"))
+    info = rpb.WorkerInfo(worker_id="w-odd", address="127.0.0.1:9", pool="huge",
+                          model=pb.ModelInfo(name="flotilla-tiny", version="v1"))
+    with pytest.raises(grpc.RpcError) as err:
+        as_worker.RegisterWorker(rpb.RegisterWorkerRequest(worker=info), timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown pool 'huge'" in err.value.details()
 
 
 def test_long_and_short_prompts_land_in_their_pools_with_single_pool_output(fleet):
