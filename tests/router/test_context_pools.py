@@ -130,3 +130,27 @@ async def test_the_planner_keeps_a_long_prompt_in_its_pool():
     request = pb.GenerateRequest(prompt_token_ids=list(range(500)))
     plan = DisaggPlanner(registry, LIMITS).plan(placement.worker, request, long_context=True)
     assert plan.decode.worker_id == "long" and plan.prefill is None
+
+
+async def test_pool_metrics_count_waiters_workers_and_requests_by_pool():
+    from prometheus_client import CollectorRegistry
+
+    from flotilla.router.pool_metrics import PoolCollector
+
+    registry, admission = make()
+    register(registry, "short")
+    register(registry, "long", LONG_CONTEXT_POOL)
+    metrics = CollectorRegistry()
+    metrics.register(PoolCollector(registry, admission))
+    [await admission.acquire("tiny", 500) for _ in range(4)]
+    await admission.acquire("tiny", 10)
+    waiting = asyncio.create_task(admission.acquire("tiny", 500))
+    await asyncio.sleep(0)
+    value = metrics.get_sample_value
+    assert value("flotilla_router_pool_queue_depth", {"model": "tiny", "pool": LONG_CONTEXT_POOL}) == 1
+    assert value("flotilla_router_pool_workers", {"model": "tiny", "pool": "default"}) == 1
+    labels = {"model": "tiny", "pool": LONG_CONTEXT_POOL, "prompt": "long"}
+    assert value("flotilla_router_pool_inflight_requests", labels) == 4
+    assert value("flotilla_router_pool_inflight_requests", {**labels, "pool": "default", "prompt": "short"}) == 1
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
