@@ -74,6 +74,15 @@ class WorkerEntry:
         return self.info.HasField("fixed_batch")
 
     @property
+    def is_shared(self) -> bool:
+        """A shared-pool worker (WorkerInfo.shared): no model of its own, loads any of its models on demand."""
+        return self.info.HasField("shared")
+
+    def has_loaded(self, qualified: str) -> bool:
+        """Shared-pool worker: `name@version` is loaded there, as its last report (or load answer) says."""
+        return qualified in self.report.loaded_models
+
+    @property
     def batch_stub(self) -> worker_pb2_grpc.FixedBatchServiceStub:
         if self._batch_stub is None:
             self._batch_stub = worker_pb2_grpc.FixedBatchServiceStub(self.channel)
@@ -178,7 +187,7 @@ class WorkerRegistry:
 
     def announced_assets(self) -> set[str]:
         """Digests of the tokenizer files registered workers serve."""
-        return {e.info.model.assets_digest for e in self._workers.values() if e.info.model.assets_digest}
+        return {m.assets_digest for e in self._workers.values() for m in _models_of(e) if m.assets_digest}
 
     def get(self, worker_id: str) -> WorkerEntry | None:
         return self._workers.get(worker_id)
@@ -243,16 +252,25 @@ class WorkerRegistry:
         ]
 
     def has_healthy_worker(self, name: str) -> bool:
-        return any(e.model_name == name and self.is_healthy(e) for e in self._token_workers())
+        return any(e.model_name == name and self.is_healthy(e) for e in self._token_workers()) or any(
+            self.is_healthy(e) and any(m.name == name for m in e.info.shared.models) for e in self.shared_workers())
 
     def has_active_replica(self, name: str) -> bool:
         """A worker in rotation is registered for this model, healthy or not; without one the model is cold
-        (its pool scaling from zero, or only warm replicas not promoted yet)."""
-        return any(e.model_name == name and e.state == rpb.WORKER_STATE_ACTIVE for e in self._token_workers())
+        (its pool scaling from zero, or only warm replicas not promoted yet). A shared-pool worker counts while
+        it holds the model loaded: until then the model is cold too (its load is its cold start)."""
+        return any(e.model_name == name and e.state == rpb.WORKER_STATE_ACTIVE for e in self._token_workers()) or any(
+            e.state == rpb.WORKER_STATE_ACTIVE and any(m.partition("@")[0] == name for m in e.report.loaded_models)
+            for e in self.shared_workers())
 
     def _token_workers(self) -> list[WorkerEntry]:
-        """Workers of the token path (Generate); fixed-batch workers are the batch dispatcher's."""
-        return [e for e in self._workers.values() if not e.is_fixed_batch]
+        """Workers of one model on the token path (Generate); fixed-batch workers are the batch dispatcher's,
+        shared-pool workers the shared pool's (shared_pool.py)."""
+        return [e for e in self._workers.values() if not e.is_fixed_batch and not e.is_shared]
+
+    def shared_workers(self) -> list[WorkerEntry]:
+        """Shared-pool workers, in any state and health."""
+        return [e for e in self._workers.values() if e.is_shared]
 
     def fixed_batch_workers(self, name: str) -> list[WorkerEntry]:
         """Fixed-batch workers of a model, in any state and health (the dispatcher filters)."""
@@ -265,14 +283,15 @@ class WorkerRegistry:
         entry.num_placed_requests += 1
         entry.num_placed_tokens += num_prompt_tokens
 
-    def assign(self, entry: WorkerEntry, tenant: str = "") -> None:
+    def assign(self, entry: WorkerEntry, tenant: str = "", model: str = "") -> None:
+        """`model`: the request's model name (default: the worker's; a shared-pool worker has none)."""
         entry.num_assigned += 1
-        self._tenant_assigned[(entry.model_name, tenant)] += 1
+        self._tenant_assigned[(model or entry.model_name, tenant)] += 1
 
-    def release(self, entry: WorkerEntry, tenant: str = "") -> None:
+    def release(self, entry: WorkerEntry, tenant: str = "", model: str = "") -> None:
         entry.num_assigned = max(0, entry.num_assigned - 1)
         entry.num_released_since_report += 1
-        key = (entry.model_name, tenant)
+        key = (model or entry.model_name, tenant)
         if self._tenant_assigned[key] <= 1:
             del self._tenant_assigned[key]
         else:
@@ -305,12 +324,19 @@ class WorkerRegistry:
             healthy = self.is_healthy(entry) or (old is not None and old.has_healthy_worker)
             first = min(entry.registered_at, old.first_registered) if old is not None else entry.registered_at
             refs[key] = ModelVersionRef(entry.model_name, entry.version, first, healthy)
+        for entry in self.shared_workers():  # every model a shared-pool worker can load is served
+            for model in entry.info.shared.models:
+                old = refs.get((model.name, model.version))
+                healthy = self.is_healthy(entry) or (old is not None and old.has_healthy_worker)
+                first = min(entry.registered_at, old.first_registered) if old is not None else entry.registered_at
+                refs[(model.name, model.version)] = ModelVersionRef(model.name, model.version, first, healthy)
         return list(refs.values())
 
     def model_info(self, name: str, version: str) -> pb.ModelInfo | None:
-        for entry in self._token_workers():
-            if entry.model_name == name and entry.version == version:
-                return entry.info.model
+        for entry in [*self._token_workers(), *self.shared_workers()]:
+            for model in _models_of(entry):
+                if model.name == name and model.version == version:
+                    return model
         return None
 
     def status(self, entry: WorkerEntry) -> rpb.WorkerStatus:
@@ -328,3 +354,8 @@ class WorkerRegistry:
             state=entry.state,
             num_inflight=entry.num_inflight,
         )
+
+
+def _models_of(entry: WorkerEntry) -> list[pb.ModelInfo]:
+    """The models a worker serves: its own, or a shared-pool worker's loadable ones."""
+    return list(entry.info.shared.models) if entry.is_shared else [entry.info.model]
