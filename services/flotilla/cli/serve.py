@@ -103,6 +103,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="longest a request for a model with no active replica waits for one (its pool "
                              "scaling from zero), then 503 'model is starting' with Retry-After (default: "
                              "--max-queue-wait-s)")
+    router.add_argument("--shared-load-timeout-s", type=float, default=600.0,
+                        help="longest one load on a shared-pool worker (--shared-models) may take")
     router.add_argument("--max-queued-tokens-per-worker", type=int, default=32_768)
     router.add_argument("--max-requests-per-worker", type=int, default=64)
     router.add_argument("--idle-tenant-extra-slots", type=int, default=1,
@@ -260,6 +262,7 @@ def run_router(args: argparse.Namespace) -> int:
         max_queue_depth=args.max_queue_depth,
         max_queue_wait_s=args.max_queue_wait_s,
         cold_start_wait_s=args.cold_start_wait_s,
+        shared_load_timeout_s=args.shared_load_timeout_s,
         limits=PlacementLimits(args.max_queued_tokens_per_worker, args.max_requests_per_worker,
                                args.idle_tenant_extra_slots, args.batch_min_free_kv_fraction),
         batch=BatchSettings(args.batch_latency_budget_ms, args.batch_max_wait_ms, args.batch_max_attempts,
