@@ -102,3 +102,17 @@ async def test_a_caller_that_leaves_mid_load_drops_its_pin():
     await asyncio.sleep(0.01)  # the shielded load finishes on its own
     assert cache.loaded_names() == ("a",) and cache.get("a").num_streams == 0
     assert (await cache.ensure_loaded("b")).unloaded == ("a",)  # unpinned: it may go
+
+
+async def test_a_model_that_fails_its_check_unloads_nothing():
+    engines = Engines()
+
+    def check(name: str) -> None:
+        if name == "bad":
+            raise ValueError("truncated weights")
+
+    cache = ModelCache(1, engines.start, engines.stop, check=check)
+    cache.release(await cache.acquire("a"))
+    with pytest.raises(ModelLoadError, match="truncated"):
+        await cache.ensure_loaded("bad")
+    assert cache.loaded_names() == ("a",) and engines.stopped == []

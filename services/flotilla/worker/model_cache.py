@@ -63,11 +63,14 @@ def choose_victim(lru_first: Sequence[tuple[str, int]]) -> str | None:
 class ModelCache(Generic[Served]):
     def __init__(self, max_loaded: int, start: Callable[[str], Awaitable[Served]],
                  stop: Callable[[Served], Awaitable[None]], on_change: Callable[[], None] = lambda: None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, check: Callable[[str], None] = lambda name: None):
+        """`check(name)` raises for a model that cannot load (its checkpoint went bad): run before anything
+        is unloaded for it."""
         if max_loaded < 1:
             raise ValueError("max_loaded must be >= 1")
         self.max_loaded = max_loaded
         self._start, self._stop, self._on_change, self._clock = start, stop, on_change, clock
+        self._check = check
         self._loaded: OrderedDict[str, LoadedModel[Served]] = OrderedDict()  # LRU first
         self._load_lock = asyncio.Lock()
         self._drained = asyncio.Event()  # set whenever a model's last stream ends
@@ -137,6 +140,11 @@ class ModelCache(Generic[Served]):
         async with self._load_lock:
             if name in self._loaded:
                 return None, ()
+            try:
+                self._check(name)
+            except Exception as err:
+                self.counters.num_load_failures += 1
+                raise ModelLoadError(f"cannot load {name}: {err}") from err
             unloaded = await self._make_room()
             self.loading = name
             self._on_change()

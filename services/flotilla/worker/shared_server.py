@@ -18,6 +18,7 @@ from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.worker.v1 import worker_pb2_grpc
 from flotilla.engine.async_engine import AsyncEngine
 from flotilla.engine.engine import LLMEngine
+from flotilla.engine.model.loader import check_checkpoint
 from flotilla.observability.exposition import serve_metrics
 from flotilla.rpc.options import address, aio_server, bind
 from flotilla.rpc.serving import announce, stop_on_signals
@@ -64,7 +65,8 @@ async def serve_shared(config: WorkerConfig, stop: asyncio.Event | None = None) 
         if link is not None:
             link.report_now()
 
-    cache: ModelCache[ServedModel] = ModelCache(config.max_loaded_models, start, unload, report_change)
+    cache: ModelCache[ServedModel] = ModelCache(config.max_loaded_models, start, unload, report_change,
+                                                check=lambda name: check_checkpoint(catalog[name].model_dir))
     service = SharedWorkerService(worker_id, catalog, cache, retired)
     server = aio_server(config.tls, WORKER_POLICY)
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(service, server)

@@ -7,8 +7,10 @@ metrics and in the first request's latency."""
 
 from __future__ import annotations
 
+import shutil
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -23,12 +25,16 @@ PROMPT = "the tide comes in and"
 @pytest.fixture(scope="module")
 def fleet(checkpoint_factory, tmp_path_factory):
     dirs = {name: checkpoint_factory(size="tiny", **kwargs) for name, kwargs in CHECKPOINTS.items()}
+    # A fourth model whose weights go bad after the worker read its catalog: its loads fail.
+    dirs["rare-broken"] = shutil.copytree(dirs["rare-a"], tmp_path_factory.mktemp("broken") / "rare-broken")
     config = fleet_config(dirs["rare-c"], tmp_path_factory.mktemp("shared-pool"), model_name="rare-c-dedicated",
                           shared_pool_models=tuple(f"{name}={path}" for name, path in dirs.items()),
                           shared_pool_workers=1, shared_pool_max_loaded=2,
                           worker_args=["--device", "cpu", "--num-kv-blocks", "64"],
                           router_args=["--cold-start-wait-s", "60"])
     with start_fleet(config, keys={"k": ("acme", "paid")}) as running:
+        wait_until(lambda: "shared-0" in router_workers(running.fleet.router_address), 60, "the shared worker")
+        (dirs["rare-broken"] / "model.safetensors").write_bytes(b"not weights")
         yield running
 
 
@@ -82,3 +88,15 @@ def test_three_models_with_room_for_two(fleet):
     reloaded_b, _ = complete(client, "rare-b")  # rare-a (used before rare-c) is the least recently used now
     assert reloaded_b == text_b and loaded_models(fleet) == ["rare-c", "rare-b"]
     assert shared_metric(fleet, "flotilla_router_shared_model_unloads_total", "rare-a") == 1
+
+
+def test_a_model_that_cannot_load_says_it_is_starting_once_its_deadline_passes(fleet):
+    before = loaded_models(fleet)
+    response = httpx.post(f"{fleet.url}/v1/completions", headers={**fleet.headers, "x-flotilla-deadline-ms": "3000"},
+                          json={"model": "rare-broken", "prompt": PROMPT, "max_tokens": 4}, timeout=30)
+    assert response.status_code == 503, response.text
+    assert "starting" in response.json()["error"]["message"] and int(response.headers["retry-after"]) >= 1
+    assert shared_metric(fleet, "flotilla_router_shared_model_loads_total", "rare-broken") == 1  # it was tried
+    assert loaded_models(fleet) == before  # checked before anything is unloaded for it: nothing was
+    client = openai.OpenAI(base_url=f"{fleet.url}/v1", api_key=fleet.api_key, max_retries=0)
+    complete(client, before[-1])
