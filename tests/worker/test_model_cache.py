@@ -116,3 +116,27 @@ async def test_a_model_that_fails_its_check_unloads_nothing():
     with pytest.raises(ModelLoadError, match="truncated"):
         await cache.ensure_loaded("bad")
     assert cache.loaded_names() == ("a",) and engines.stopped == []
+
+
+async def test_an_unloaded_engine_is_freed(tiny_checkpoint):
+    """Real engines: once unloaded, nothing keeps the model's weights alive (the next load needs their memory)."""
+    import weakref
+
+    from flotilla.engine.async_engine import AsyncEngine
+    from flotilla.engine.config import EngineConfig
+    from flotilla.engine.engine import LLMEngine
+
+    async def start(name: str) -> AsyncEngine:
+        engine = AsyncEngine(lambda: LLMEngine(EngineConfig(str(tiny_checkpoint), device="cpu", num_kv_blocks=8)))
+        await engine.start()
+        return engine
+
+    async def stop(engine: AsyncEngine) -> None:
+        await engine.shutdown()
+
+    cache = ModelCache(1, start, stop)
+    cache.release(await cache.acquire("a"))
+    weights = weakref.ref(cache.get("a").served.engine.runner.model)
+    cache.release(await cache.acquire("b"))
+    assert cache.loaded_names() == ("b",) and weights() is None
+    await cache.close()

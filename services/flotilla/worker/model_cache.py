@@ -63,14 +63,15 @@ def choose_victim(lru_first: Sequence[tuple[str, int]]) -> str | None:
 class ModelCache(Generic[Served]):
     def __init__(self, max_loaded: int, start: Callable[[str], Awaitable[Served]],
                  stop: Callable[[Served], Awaitable[None]], on_change: Callable[[], None] = lambda: None,
-                 clock: Callable[[], float] = time.monotonic, check: Callable[[str], None] = lambda name: None):
-        """`check(name)` raises for a model that cannot load (its checkpoint went bad): run before anything
-        is unloaded for it."""
+                 clock: Callable[[], float] = time.monotonic, check: Callable[[str], None] = lambda name: None,
+                 free_memory: Callable[[], None] = gc.collect):
+        """`check(name)` raises for a model that cannot load (its checkpoint went bad, it does not fit): run
+        before anything is unloaded for it. `free_memory` runs after an unload, once nothing here holds it."""
         if max_loaded < 1:
             raise ValueError("max_loaded must be >= 1")
         self.max_loaded = max_loaded
         self._start, self._stop, self._on_change, self._clock = start, stop, on_change, clock
-        self._check = check
+        self._check, self._free_memory = check, free_memory
         self._loaded: OrderedDict[str, LoadedModel[Served]] = OrderedDict()  # LRU first
         self._load_lock = asyncio.Lock()
         self._drained = asyncio.Event()  # set whenever a model's last stream ends
@@ -177,7 +178,8 @@ class ModelCache(Generic[Served]):
                 continue
             model = self._loaded.pop(victim)
             await self._stop(model.served)
-            gc.collect()  # the weights' memory goes back before the next model's comes
+            del model
+            self._free_memory()  # the weights' memory goes back before the next model's comes
             self.counters.num_unloads += 1
             self.counters.unloaded = [*self.counters.unloaded[-63:], victim]
             unloaded.append(victim)

@@ -7,6 +7,7 @@ Role both only (no KV hand-off) and no golden-output check: both assume one mode
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from dataclasses import replace
 
@@ -17,6 +18,7 @@ from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.worker.v1 import worker_pb2_grpc
 from flotilla.engine.async_engine import AsyncEngine
+from flotilla.engine.config import resolve_device
 from flotilla.engine.engine import LLMEngine
 from flotilla.engine.model.loader import check_checkpoint
 from flotilla.observability.exposition import serve_metrics
@@ -28,6 +30,7 @@ from flotilla.worker.model_cache import ModelCache
 from flotilla.worker.registration import RouterLink
 from flotilla.worker.service import WorkerService
 from flotilla.worker.shared_catalog import CatalogEntry, read_catalog
+from flotilla.worker.shared_memory import checkpoint_bytes, slot_kv_budget
 from flotilla.worker.shared_service import RetiredTotals, ServedModel, SharedWorkerService
 from flotilla.worker.telemetry import WorkerMetrics
 
@@ -46,10 +49,13 @@ async def serve_shared(config: WorkerConfig, stop: asyncio.Event | None = None) 
     retired = RetiredTotals()
     link: RouterLink | None = None
 
+    kv_budget = _kv_budget(config)
+
     async def start(name: str) -> ServedModel:
         entry = catalog[name]
-        engine = AsyncEngine(lambda: LLMEngine(replace(config.engine, model_dir=entry.model_dir)),
-                             stream_interval_s=config.stream_interval_s)
+        engine_config = replace(config.engine, model_dir=entry.model_dir,
+                                kv_cache_memory_bytes=kv_budget(entry.model_dir))
+        engine = AsyncEngine(lambda: LLMEngine(engine_config), stream_interval_s=config.stream_interval_s)
         await engine.start()
         changes.labels(name, "load").inc()
         return ServedModel(entry, engine, WorkerService(engine, worker_id, entry.info, metrics))
@@ -58,15 +64,17 @@ async def serve_shared(config: WorkerConfig, stop: asyncio.Event | None = None) 
         retired.retire(model.engine)
         await model.engine.shutdown()
         changes.labels(model.entry.name, "unload").inc()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
     def report_change() -> None:
         if link is not None:
             link.report_now()
 
+    def check(name: str) -> None:
+        check_checkpoint(catalog[name].model_dir)
+        kv_budget(catalog[name].model_dir)  # raises when it does not fit a slot
+
     cache: ModelCache[ServedModel] = ModelCache(config.max_loaded_models, start, unload, report_change,
-                                                check=lambda name: check_checkpoint(catalog[name].model_dir))
+                                                check=check, free_memory=_free_memory)
     service = SharedWorkerService(worker_id, catalog, cache, retired)
     server = aio_server(config.tls, WORKER_POLICY)
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(service, server)
@@ -89,6 +97,23 @@ async def serve_shared(config: WorkerConfig, stop: asyncio.Event | None = None) 
             await link.stop()
         await server.stop(config.shutdown_grace_s)
         await cache.close()
+
+
+def _free_memory() -> None:
+    gc.collect()  # the unloaded engine's tensors, then the allocator's cached blocks
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _kv_budget(config: WorkerConfig):
+    """model dir -> its KV budget in bytes (shared_memory.py); the configured budget where one was set."""
+    engine = config.engine
+    device = resolve_device(engine.device)
+    if engine.num_kv_blocks or engine.kv_cache_memory_bytes or device.type != "cuda":
+        return lambda model_dir: engine.kv_cache_memory_bytes
+    free_bytes, _ = torch.cuda.mem_get_info(device)
+    graphs = engine.cuda_graph_memory_bytes if engine.cuda_graphs else 0
+    return lambda model_dir: slot_kv_budget(free_bytes, config.max_loaded_models, checkpoint_bytes(model_dir), graphs)
 
 
 def _router_link(config: WorkerConfig, worker_id: str, catalog: dict[str, CatalogEntry], port: int,
