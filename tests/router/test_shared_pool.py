@@ -124,6 +124,18 @@ async def test_the_load_counts_in_the_wait_and_a_load_beyond_the_bound_says_star
     assert admission.estimated_wait_s("rare-a") is None  # never loaded: unknown, not a guess
 
 
+async def test_a_loaded_models_wait_counts_its_shared_workers_queue():
+    registry, admission, clock = make()
+    register_shared(registry, "s1", loaded=("rare-a",))
+    for total in (0, 1000):  # 1000 tokens/s while busy
+        clock.now += 1.0
+        assert registry.heartbeat("s1", pb.LoadReport(num_running=1, num_queued_tokens=500, num_free_blocks=64,
+                                                      num_total_blocks=64, block_size=16, loaded_models=["rare-a@v1"],
+                                                      num_prompt_tokens_total=total))
+        admission.dispatch()  # what the router does on each heartbeat (a throughput sample)
+    assert admission.estimated_wait_s("rare-a") == pytest.approx(0.5)  # loaded: its queue, no load time
+
+
 async def test_a_model_that_cannot_load_is_starting_once_the_bound_passes():
     registry, admission, _ = make(cold_wait_s=0.2)
     stub = register_shared(registry, "s1", fail=True)

@@ -167,7 +167,8 @@ class Admission:
         None while the fleet's throughput is unmeasured."""
         self._observe_throughput()
         queues = self._queues.get(name)
-        workers = [e for e in self._registry.workers() if e.model_name == name and self._registry.is_healthy(e)]
+        workers = [e for e in self._registry.workers() if self._registry.is_healthy(e) and (
+            e.model_name == name or self.shared.holds(e, name))]
         ahead = (queues.tokens_ahead(ticket or Ticket()) if queues else 0) + sum(
             self._registry.load_of(e).num_queued_tokens for e in workers)
         return with_load_time(estimated_wait_s(ahead, self.throughput.tokens_per_s(e.worker_id for e in workers)),

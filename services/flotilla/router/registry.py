@@ -143,8 +143,9 @@ class WorkerRegistry:
         self._workers[info.worker_id] = entry
         if old is not None:
             self.assets.retain(self.announced_assets())
-        logger.info("worker %s registered: %s@%s at %s", info.worker_id, entry.model_name, entry.version,
-                    info.address)
+        served = (f"shared pool of {', '.join(m.name for m in info.shared.models)}" if entry.is_shared
+                  else f"{entry.model_name}@{entry.version}")
+        logger.info("worker %s registered: %s at %s", info.worker_id, served, info.address)
         return entry
 
     def owner_of(self, worker_id: str) -> str | None:

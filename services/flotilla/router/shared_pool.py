@@ -114,6 +114,11 @@ class SharedPool:
         loading_on = {load.worker_id for load in self._loads.values()}
         return [e for e in self._candidates(qualified) if e.has_loaded(qualified) and e.worker_id not in loading_on]
 
+    @staticmethod
+    def holds(entry: WorkerEntry, name: str) -> bool:
+        """A shared-pool worker holds some version of `name` loaded (its queue counts in that model's wait)."""
+        return entry.is_shared and any(q.partition("@")[0] == name for q in entry.report.loaded_models)
+
     def placed(self, entry: WorkerEntry) -> None:
         if entry.is_shared:
             self._last_used[entry.worker_id] = self._clock()
