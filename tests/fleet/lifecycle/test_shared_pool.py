@@ -14,7 +14,10 @@ import httpx
 import openai
 import pytest
 
+from flotilla.api.router.v1 import router_pb2, router_pb2_grpc
+
 from tests.support.fleet import fleet_config, metric_samples, router_workers, start_fleet, worker_load
+from tests.support.tls import channel
 from tests.support.waiting import wait_until
 
 CHECKPOINTS = {"rare-a": dict(seed=11, architecture="llama"), "rare-b": dict(seed=12, architecture="qwen2"),
@@ -88,6 +91,12 @@ def test_three_models_with_room_for_two(fleet):
     reloaded_b, _ = complete(client, "rare-b")  # rare-a (used before rare-c) is the least recently used now
     assert reloaded_b == text_b and loaded_models(fleet) == ["rare-c", "rare-b"]
     assert shared_metric(fleet, "flotilla_router_shared_model_unloads_total", "rare-a") == 1
+    with channel(fleet.fleet.router_address) as router:  # `flotilla models list`: servable by 1, placeable if loaded
+        routes = router_pb2_grpc.RouterServiceStub(router).ListModelRoutes(router_pb2.ListModelRoutesRequest(),
+                                                                           timeout=5)
+    versions = {route.name: route.versions for route in routes.routes}
+    assert [(v.num_workers, v.num_healthy_active) for v in versions["rare-b"]] == [(1, 1)]
+    assert [(v.num_workers, v.num_healthy_active) for v in versions["rare-a"]] == [(1, 0)]
 
 
 def test_a_model_that_cannot_load_says_it_is_starting_once_its_deadline_passes(fleet):
