@@ -318,7 +318,6 @@ class Admission:
             return RouterError(pb.ERROR_CODE_DEADLINE_EXCEEDED, "the request's deadline passed while it was queued")
         return RouterError(pb.ERROR_CODE_OVERLOADED, f"every worker serving {name!r} is busy")
 
-
     def _starting(self, name: str, requested: str) -> RouterError:
         """MODEL_STARTING; for a shared model whose load time is known, retry once its load should be done."""
         load_s = self.shared.expected_load_s(name)
