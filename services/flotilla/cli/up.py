@@ -195,6 +195,11 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"flotilla up failed: {error}", file=sys.stderr)
         return 1
     print(usage_text(fleet.gateway_url, fleet.model_name, api_key), flush=True)
+    if settings["shared_pool_models"]:
+        names = [item.partition("=")[0] if "=" in item else Path(item).resolve().name
+                 for item in settings["shared_pool_models"]]
+        print(f"Shared pool ({settings['shared_pool_workers']} workers, {settings['shared_pool_max_loaded']} loaded "
+              f"each): {', '.join(names)}; a model loads on its first request.", flush=True)
     try:
         return FleetSupervisor(fleet, restarts).run(stop)
     finally:
