@@ -198,8 +198,8 @@ def run_up(args: argparse.Namespace) -> int:
     if settings["shared_pool_models"]:
         names = [item.partition("=")[0] if "=" in item else Path(item).resolve().name
                  for item in settings["shared_pool_models"]]
-        print(f"Shared pool ({settings['shared_pool_workers']} workers, {settings['shared_pool_max_loaded']} loaded "
-              f"each): {', '.join(names)}; a model loads on its first request.", flush=True)
+        print(f"Shared pool: {', '.join(names)} (workers: {settings['shared_pool_workers']}, models loaded per "
+              f"worker: {settings['shared_pool_max_loaded']}); a model loads on its first request.", flush=True)
     try:
         return FleetSupervisor(fleet, restarts).run(stop)
     finally:
