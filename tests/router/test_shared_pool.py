@@ -144,3 +144,20 @@ async def test_a_model_that_cannot_load_is_starting_once_the_bound_passes():
         await admission.acquire("rare-a", 5)
     assert error.value.code == pb.ERROR_CODE_MODEL_STARTING and error.value.retry_after_s > 0
     assert stub.calls == ["rare-a@v1"]  # asked once: a failed load backs off instead of hammering the worker
+
+
+async def test_a_busy_model_is_loaded_on_one_more_worker_only_into_a_free_slot():
+    registry, admission, _ = make()
+    register_shared(registry, "s1", loaded=("rare-a",))
+    full = register_shared(registry, "s2", loaded=("rare-b", "rare-c"))
+    for _ in range(4):  # s1's room (4 requests a worker)
+        await admission.acquire("rare-a", 5)
+    queued = asyncio.create_task(admission.acquire("rare-a", 5))
+    await asyncio.sleep(0.01)
+    assert not queued.done() and full.calls == []  # s2 has no free slot: nothing of it is unloaded for rare-a
+    free = register_shared(registry, "s3", loaded=("rare-b",))
+    admission.dispatch()
+    await asyncio.sleep(0.01)
+    assert free.calls == ["rare-a@v1"]
+    free.gate.set()
+    assert (await asyncio.wait_for(queued, 5)).worker.worker_id == "s3"

@@ -296,6 +296,8 @@ class Admission:
         chosen = choose_worker(loads, num_prompt_tokens, self._limits, self._is_idle(resolution.name, tenant),
                                batch=priority == pb.PRIORITY_CLASS_BATCH)
         if chosen is None:
+            if self.shared.is_shared_model(resolution.name):  # full where it is loaded: one more, if a slot is free
+                self.shared.ensure_loading(resolution.name, resolution.version, spread=True)
             return None
         self._registry.record_placement(workers[chosen], num_prompt_tokens)
         # Released (with the tenant) by the router service when the relay ends.

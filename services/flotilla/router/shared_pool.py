@@ -8,7 +8,8 @@ deadline or the cold-start bound, then MODEL_STARTING with a Retry-After. The wo
 free slot, else the least recently used one (the router's last placement there is oldest); that worker then
 unloads its own least recently used model without live streams.
 
-While a load this router asked for runs on a worker, the router places nothing new there: the model it unloads
+When every worker holding a model is full (placement found no room), the model is loaded on one more worker, but
+only into a free slot. While a load this router asked for runs on a worker, the router places nothing new there: the model it unloads
 is not known until the load answers, and streams placed on it would only delay the unload.
 
 Load times are measured per model (an EWMA of what LoadModel answered), so the wait estimate of a request for
@@ -123,18 +124,23 @@ class SharedPool:
         if entry.is_shared:
             self._last_used[entry.worker_id] = self._clock()
 
-    def ensure_loading(self, name: str, version: str) -> None:
-        """Ask one worker to load name@version unless one holds it, loads it, or its last load just failed."""
+    def ensure_loading(self, name: str, version: str, spread: bool = False) -> None:
+        """Ask one worker to load name@version unless one holds it, loads it, or its last load just failed.
+        `spread`: the workers holding it are full, so load it on one more, but only into a free slot (a busy rare
+        model does not unload another model)."""
         qualified = f"{name}@{version}"
         candidates = self._candidates(qualified)
         if (qualified in self._loads or not candidates
-                or any(e.has_loaded(qualified) or e.report.loading_model == qualified for e in candidates)
+                or any(e.report.loading_model == qualified for e in candidates)
+                or (not spread and any(e.has_loaded(qualified) for e in candidates))
                 or self._clock() - self._failed_at.get(qualified, -LOAD_RETRY_BACKOFF_S) < LOAD_RETRY_BACKOFF_S):
             return
         loading_on = {load.worker_id for load in self._loads.values()}
         views = [SharedWorkerView(e.worker_id, len(e.report.loaded_models), e.info.shared.max_loaded_models or 1,
                                   self._last_used.get(e.worker_id, 0.0))
-                 for e in candidates if e.worker_id not in loading_on]
+                 for e in candidates if e.worker_id not in loading_on and not e.has_loaded(qualified)]
+        if spread:
+            views = [v for v in views if v.num_loaded < v.max_loaded]
         chosen = choose_load_worker(views)
         if chosen is None:
             return  # every candidate is loading another model: the next dispatch tries again
