@@ -65,6 +65,8 @@ UNIT_PATHS = (
     "rpc/test_convert.py",
     "rpc/test_tls.py",
     "usage",
+    "worker/test_model_cache.py",
+    "worker/test_shared_catalog.py",
 )
 # ... but not these: whole generations (and transformers' reference for them) take minutes on a CPU.
 SLOW_PATHS = ("engine/test_exactness.py", "engine/test_requests.py", "engine/test_resume.py",

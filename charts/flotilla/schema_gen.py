@@ -98,7 +98,20 @@ MODEL = {"type": "object", "required": ["name", "checkpoint"], "additionalProper
                         "pool": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]{0,28}[a-z0-9])?$",
                                  "description": "slug in the pool names (default: the name as a DNS label)"},
                         "volume": {"type": "object"}, "mountPath": {"type": "string"},
-                        "prefill": POOL_OVERRIDE, "decode": POOL_OVERRIDE, "longContext": LONG_CONTEXT_OVERRIDE}}
+                                                "prefill": POOL_OVERRIDE, "decode": POOL_OVERRIDE, "longContext": LONG_CONTEXT_OVERRIDE}}
+SHARED_POOL = {"type": "object", "additionalProperties": False, "required": ["enabled", "models"], "properties": {
+    "enabled": {"type": "boolean"},
+    "models": {"type": "array", "items": {"type": "object", "required": ["name", "checkpoint"],
+                                          "additionalProperties": False, "properties": {
+                                              "name": {"type": "string", "pattern": "^[^=,@\\s]+$"},
+                                              "checkpoint": {"type": "string", "pattern": "^[^=,\\s]+$"}}}},
+    "replicas": {"type": "integer", "minimum": 0},
+    "maxLoadedModels": {"type": "integer", "minimum": 1},
+    "image": IMAGE, "resources": RESOURCES, "volume": {"type": "object"}, "mountPath": {"type": "string"},
+    "extraEnv": ROLE["properties"]["extraEnv"], "extraArgs": ROLE["properties"]["extraArgs"]},
+    # Enabled, it needs two models or more (one model is a plain pool).
+    "if": {"properties": {"enabled": {"const": True}}},
+    "then": {"properties": {"models": {"minItems": 2}}}}
 SCHEMA = {
     "$schema": "http://json-schema.org/draft-07/schema#",
     "type": "object",
@@ -106,6 +119,7 @@ SCHEMA = {
     "additionalProperties": False,
     "properties": {
         "models": {"type": "array", "minItems": 1, "items": MODEL},
+        "sharedPool": SHARED_POOL,
         "imagePullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]},
         **{role: ROLE for role in ("gateway", "router", "prefill", "decode", "operator")},
         "longContext": LONG_CONTEXT,

@@ -2,7 +2,7 @@
 container runs as a local process with its own command, args and env (tests/chart/local_kubelet.py: pod IPs
 on loopback, Service names rewritten to them, volumes as temporary directories, Secrets and ConfigMaps as files
 and env), the worker pods as the operator builds them from the rendered FlotillaPools, the model volume holding
-a tiny random checkpoint. Then the real `openai` and `anthropic` SDKs call the gateway through its Service,
+a tiny random checkpoint (default values: also a shared pool of two models on it). Then the real `openai` and `anthropic` SDKs call the gateway through its Service,
 streamed and not, at the Service and port the rendered Ingress (default values) or HTTPRoute (the
 disaggregated example) forwards to, and every container's probes must pass. Redis (disaggregated example) is Debian's
 redis-server running the rendered StatefulSet's command and ConfigMap.
@@ -73,7 +73,8 @@ def _rendered(case: str, tmp: Path) -> list[dict]:
                    "volume": {"persistentVolumeClaim": {"claimName": "flotilla-models"}}},
                   {"name": "Tiny.Chat/v2", "checkpoint": "/weights/chat",
                    "volume": {"persistentVolumeClaim": {"claimName": "chat-weights"}}, "mountPath": "/weights"}]
-        extra = ["--set-json", f"models={json.dumps(models)}", "--set-file", f"keys.keysJson={keys_file}"]
+        extra = ["--set-json", f"models={json.dumps(models)}", "--set-json", f"sharedPool={json.dumps(SHARED_POOL)}",
+                 "--set-file", f"keys.keysJson={keys_file}"]
     if case == "disaggregated-gpu":  # its RDMA device (mlx5_0:1) is not on this machine: TCP on loopback
         extra = ["--set", "kvTransfer.ucx.netDevices=lo", "--set", "kvTransfer.ucx.transports=tcp"]
     result = render(CASES[case], *extra, *tls)
@@ -82,6 +83,11 @@ def _rendered(case: str, tmp: Path) -> list[dict]:
 
 
 _KEYS = {"default": generate_key()}
+# The default case also runs a shared pool: one worker that loads either model on demand, one at a time.
+SHARED_POOL = {"enabled": True, "replicas": 1, "maxLoadedModels": 1,
+               "models": [{"name": "rare-x", "checkpoint": "/models/rare-x"},
+                          {"name": "rare-y", "checkpoint": "/models/rare-y"}],
+               "volume": {"persistentVolumeClaim": {"claimName": "flotilla-models"}}}
 
 
 def _component(pod: Pod) -> str:
@@ -98,6 +104,8 @@ def release(request, tmp_path_factory, tiny_checkpoint) -> Release:
         pytest.skip("redis-server not installed: `make redis-server`")
     pools = [doc for doc in docs if doc["kind"] == KIND]
     models = list(dict.fromkeys(pool["spec"]["model"]["name"] for pool in pools))
+    shared = SHARED_POOL["models"] if case == "default" else []
+    models += [m["name"] for m in shared if m["name"] not in models]
     # The model volume: a claim holding the checkpoint at spec.model.checkpoint below the mount path.
     claims = {}
     for pool in pools:
@@ -109,6 +117,10 @@ def release(request, tmp_path_factory, tiny_checkpoint) -> Release:
         if not target.exists():
             target.symlink_to(tiny_checkpoint)
         claims[volume["persistentVolumeClaim"]["claimName"]] = claim
+    for model in shared:  # the shared pool's other checkpoints, on the same claim
+        target = claims["flotilla-models"] / Path(model["checkpoint"]).relative_to("/models")
+        if not target.exists():
+            target.symlink_to(tiny_checkpoint)
     redis_password = secrets.token_hex(16)
     worker_services = []
     for pool in pools:
@@ -152,7 +164,7 @@ def _create_redis_key(kubelet: LocalKubelet, password: str) -> str:
 
 def test_every_rendered_workload_runs_and_its_probes_pass(release):
     components = sorted(_component(p) for p in release.pods)
-    expected = {"default": ["both", "both", "gateway", "router"],
+    expected = {"default": ["both", "both", "both", "gateway", "router"],  # two models' pools, the shared pool
                 "disaggregated-gpu": ["decode", "gateway", "prefill", "redis", "router"]}[release.case]
     assert components == expected
     for pod in release.pods:
@@ -171,7 +183,8 @@ def test_models_are_listed(release):
 
 def test_every_model_is_served_by_its_own_pool(release):
     """Each entry of `models` gets its own pool: a request for either model is answered (by that pool's worker;
-    the router places a model's requests only on workers that registered it)."""
+    the router places a model's requests only on workers that registered it). The default case's shared pool
+    answers for both its models, loading each on demand (one at a time: the second unloads the first)."""
     client = openai.OpenAI(base_url=f"{release.gateway_url}/v1", api_key=release.api_key, max_retries=0)
     for model in release.models:
         answer = client.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0,

@@ -37,8 +37,12 @@ def test_every_case_renders_the_expected_pods(case):
         assert f"Deployment/flotilla-{component}" in names, names
     # one decode pool per served model (pools are named <release>-<model slug>-<role>)
     workers = {n for n in names if n.endswith("-decode-workers")}
-    assert len(workers) == len({doc["spec"]["model"]["name"] for doc in rendered_case(case) if doc["kind"] == KIND})
+    pools = [doc for doc in rendered_case(case) if doc["kind"] == KIND]
+    shared = [doc for doc in pools if doc["metadata"]["labels"]["app.kubernetes.io/component"] == "shared"]
+    assert len(workers) == len({doc["spec"]["model"]["name"] for doc in pools if doc not in shared})
     assert len(workers) >= 1, names
+    # the shared pool (values sharedPool) runs its own workers
+    assert ("Deployment/flotilla-shared-pool-workers" in names) == bool(shared), names
 
 
 def test_pods_run_as_non_root_with_the_default_seccomp_profile(case):

@@ -62,6 +62,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "answer takes the worker out of rotation")
     worker.add_argument("--output-check-busy-interval-s", type=float, default=CheckSettings.busy_interval_s,
                         help="the same check's interval while requests run")
+    shared = worker.add_argument_group("shared pool (rarely used models, loaded on demand)")
+    shared.add_argument("--shared-models", default=None, metavar="NAME=DIR,...",
+                        help="serve these checkpoints (comma-separated NAME=DIR or DIR; --model-dir joins them "
+                             "first): each is loaded from local disk when a request needs it")
+    shared.add_argument("--max-loaded-models", type=int, default=1,
+                        help="with --shared-models: models held loaded at once; another one's load unloads the "
+                             "least recently used model that has no live stream")
     fixed = worker.add_argument_group("fixed-batch backend")
     fixed.add_argument("--run-batch", default=None, metavar="MODULE:NAME",
                        help="a run_batch(list[str]) -> list[str] callable, or a factory with from_options(BatchOptions) "
@@ -99,6 +106,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="longest a request for a model with no active replica waits for one (its pool "
                              "scaling from zero), then 503 'model is starting' with Retry-After (default: "
                              "--max-queue-wait-s)")
+    router.add_argument("--shared-load-timeout-s", type=float, default=600.0,
+                        help="longest one load on a shared-pool worker (--shared-models) may take")
     router.add_argument("--max-queued-tokens-per-worker", type=int, default=32_768)
     router.add_argument("--max-requests-per-worker", type=int, default=64)
     router.add_argument("--idle-tenant-extra-slots", type=int, default=1,
@@ -146,12 +155,14 @@ def run_worker(args: argparse.Namespace) -> int:
     _configure_logging(args.log_level)
     if args.backend == "fixed-batch":
         return run_fixed_batch_worker(args)
-    if not args.model_dir:
-        raise SystemExit("flotilla worker: --model-dir is required")
-    check_model(args.model_dir, "flotilla worker")
+    shared = _shared_models(args)
+    if not args.model_dir and not shared:
+        raise SystemExit("flotilla worker: --model-dir (or --shared-models) is required")
+    for _, model_dir in shared or [("", args.model_dir)]:
+        check_model(model_dir, "flotilla worker")
     tls = internal_tls(args, "worker")
     engine = EngineConfig(
-        model_dir=args.model_dir,
+        model_dir=args.model_dir or shared[0][1],
         device=args.device,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
@@ -186,12 +197,37 @@ def run_worker(args: argparse.Namespace) -> int:
         disagg=DisaggSettings(args.role, args.min_remote_prefill_tokens, args.kv_lease_s,
                               layerwise=not args.kv_write_after_prefill),
         tls=tls,
+        shared_models=tuple(shared),
+        max_loaded_models=args.max_loaded_models,
     )
     from flotilla.observability.setup import setup_observability
 
     setup_observability("flotilla-worker")
-    run_service(serve(config))
+    if shared:
+        from flotilla.worker.shared_server import serve_shared
+
+        run_service(serve_shared(config))
+    else:
+        run_service(serve(config))
     return 0
+
+
+def _shared_models(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(name, dir) of a shared-pool worker's models ([] for a one-model worker); exits on bad flags."""
+    if not args.shared_models:
+        return []
+    from pathlib import Path
+
+    from flotilla.worker.shared_catalog import parse_shared_models
+
+    if args.role != "both" or args.max_loaded_models < 1:
+        raise SystemExit("flotilla worker: --shared-models needs --role both and --max-loaded-models >= 1")
+    items = ([f"{args.model_name or Path(args.model_dir).resolve().name}={args.model_dir}"] if args.model_dir
+             else [])
+    try:
+        return parse_shared_models(",".join([*items, args.shared_models]))
+    except ValueError as err:
+        raise SystemExit(f"flotilla worker: {err}") from None
 
 
 def run_fixed_batch_worker(args: argparse.Namespace) -> int:
@@ -234,6 +270,7 @@ def run_router(args: argparse.Namespace) -> int:
         max_queue_depth=args.max_queue_depth,
         max_queue_wait_s=args.max_queue_wait_s,
         cold_start_wait_s=args.cold_start_wait_s,
+        shared_load_timeout_s=args.shared_load_timeout_s,
         limits=PlacementLimits(args.max_queued_tokens_per_worker, args.max_requests_per_worker,
                                args.idle_tenant_extra_slots, args.batch_min_free_kv_fraction,
                                _context_thresholds(args.long_context_threshold)),

@@ -51,6 +51,11 @@ DEFAULTS: dict[str, Any] = {
     "restart_window_s": 60.0,
     # mTLS between the services from a throwaway CA in <state_dir>/tls (fleet/certs.py) unless this is set.
     "insecure_internal": False,
+    # A shared pool for rarely used models: checkpoints (NAME=DIR or DIR, comma-separated) loaded on demand by
+    # shared_pool_workers workers, each holding at most shared_pool_max_loaded of them (LRU unload).
+    "shared_pool_models": "",
+    "shared_pool_workers": 1,
+    "shared_pool_max_loaded": 1,
 }
 ENV_VARS = {
     "state_dir": "FLOTILLA_STATE_DIR",
@@ -91,6 +96,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--target-queued-tokens", type=int, help="--autoscale: queued tokens per worker (default 2048)")
     up.add_argument("--ttft-slo-s", type=float, help="--autoscale: p95 time-to-first-token target (default 2)")
     up.add_argument("--scale-down-cooldown-s", type=float, help="--autoscale: wait before scaling down (default 60)")
+    up.add_argument("--shared-pool-models", metavar="NAME=DIR,...",
+                    help="also serve these checkpoints from a shared pool: loaded from local disk when a request "
+                         "needs one (a cold start), the least recently used unloaded for another")
+    up.add_argument("--shared-pool-workers", type=int, help="shared-pool workers (default 1)")
+    up.add_argument("--shared-pool-max-loaded", type=int,
+                    help="models each shared-pool worker holds loaded at once (default 1)")
     up.add_argument("--insecure-internal", action="store_true", default=None,
                     help="plaintext gRPC between the services, nobody authenticated (default: mTLS, with "
                          "certificates made in <state dir>/tls)")
@@ -129,6 +140,13 @@ def resolve_settings(args: argparse.Namespace, environ: dict[str, str] | None = 
         raise SystemExit("--long-context-workers cannot be combined with --autoscale yet")
     settings["autoscale"] = str(settings["autoscale"]).lower() in ("1", "true", "yes")
     settings["insecure_internal"] = str(settings["insecure_internal"]).lower() in ("1", "true", "yes")
+    models = settings["shared_pool_models"]
+    settings["shared_pool_models"] = tuple(
+        m.strip() for m in (models.split(",") if isinstance(models, str) else models) if m.strip())
+    settings["shared_pool_workers"] = int(settings["shared_pool_workers"])
+    settings["shared_pool_max_loaded"] = int(settings["shared_pool_max_loaded"])
+    if settings["shared_pool_models"] and (settings["shared_pool_workers"] < 1 or settings["shared_pool_max_loaded"] < 1):
+        raise SystemExit("--shared-pool-workers and --shared-pool-max-loaded must be >= 1")
     return settings
 
 
@@ -142,6 +160,8 @@ def run_up(args: argparse.Namespace) -> int:
     state_dir = Path(settings["state_dir"]).resolve()
     model_dir = resolve_model_dir(settings["model_dir"], state_dir)
     check_model(model_dir, "flotilla up")
+    for item in settings["shared_pool_models"]:
+        check_model(item.partition("=")[2] or item, "flotilla up")
     api_key = settings["api_key"] or generate_key()
     keys_file = state_dir / "keys.json"
     local_key = KeyEntry("local", hash_key(api_key), "local", "paid")
@@ -173,6 +193,9 @@ def run_up(args: argparse.Namespace) -> int:
             keys_file=keys_file,
             redis_url=settings["redis_url"],
             insecure_internal=settings["insecure_internal"],
+            shared_pool_models=settings["shared_pool_models"],
+            shared_pool_workers=settings["shared_pool_workers"],
+            shared_pool_max_loaded=settings["shared_pool_max_loaded"],
             worker_args=[str(a) for a in settings["worker_args"]],
             router_args=[str(a) for a in settings["router_args"]],
             # Without Redis the usage ledger is an append-only file next to the logs (`flotilla usage --file`).
@@ -192,6 +215,11 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"flotilla up failed: {error}", file=sys.stderr)
         return 1
     print(usage_text(fleet.gateway_url, fleet.model_name, api_key), flush=True)
+    if settings["shared_pool_models"]:
+        names = [item.partition("=")[0] if "=" in item else Path(item).resolve().name
+                 for item in settings["shared_pool_models"]]
+        print(f"Shared pool: {', '.join(names)} (workers: {settings['shared_pool_workers']}, models loaded per "
+              f"worker: {settings['shared_pool_max_loaded']}); a model loads on its first request.", flush=True)
     try:
         return FleetSupervisor(fleet, restarts).run(stop)
     finally:

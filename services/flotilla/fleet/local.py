@@ -54,6 +54,11 @@ class FleetConfig:
     # <state_dir>/tls/ca); insecure_internal: plaintext, nobody authenticated (fleet/certs.py).
     ca: CertificateAuthority | None = None
     insecure_internal: bool = False
+    # A shared pool for rarely used models (`flotilla worker --shared-models`): checkpoints as NAME=DIR or DIR,
+    # served by shared_pool_workers workers that hold at most shared_pool_max_loaded of them loaded each.
+    shared_pool_models: tuple[str, ...] = ()
+    shared_pool_workers: int = 1
+    shared_pool_max_loaded: int = 1
 
 
 class LocalFleet:
@@ -61,6 +66,7 @@ class LocalFleet:
         self.config = config
         self.router: ServiceProcess | None = None
         self.workers: list[ServiceProcess] = []
+        self.shared_workers: list[ServiceProcess] = []  # the shared pool's (the autoscaler never scales them)
         self.gateway: ServiceProcess | None = None
         self.router_address = ""
         self.gateway_url = ""
@@ -87,7 +93,10 @@ class LocalFleet:
             for _ in range(self.config.num_long_context_workers):
                 self.start_worker(wait=False, extra_args=["--pool", "long-context",
                                                           *self.config.long_context_worker_args])
-            for worker in self.workers:
+            if self.config.shared_pool_models:
+                for index in range(self.config.shared_pool_workers):
+                    self._start_shared_worker(f"shared-{index}")
+            for worker in [*self.workers, *self.shared_workers]:
                 worker.wait_port(timeout_s)
             self._start_gateway(timeout_s)
             self.wait_ready(timeout_s)
@@ -165,6 +174,17 @@ class LocalFleet:
             worker.wait_port(START_TIMEOUT_S)
         return worker
 
+    def _start_shared_worker(self, name: str) -> None:
+        args = [
+            "worker", "--host", self.config.host, "--router", self.router_address, "--worker-id", name,
+            "--shared-models", ",".join(self.config.shared_pool_models),
+            "--max-loaded-models", str(self.config.shared_pool_max_loaded),
+            *self._metrics_args(name), *self.certs.args("worker", name), *self.config.worker_args,
+        ]  # fmt: skip
+        worker = self._service(name, args)
+        worker.start()
+        self.shared_workers.append(worker)
+
     def _start_gateway(self, timeout_s: float) -> None:
         auth = ["--keys-file", str(self.config.keys_file)] if self.config.keys_file else ["--no-auth"]
         if self.config.redis_url:
@@ -194,7 +214,7 @@ class LocalFleet:
         targets = {}
         if self._autoscaler_metrics is not None:
             targets["autoscaler"] = f"{self.config.host}:{self._autoscaler_metrics.port}"
-        for service in [self.gateway, self.router, *self.workers]:
+        for service in [self.gateway, self.router, *self.workers, *self.shared_workers]:
             port = read_port_file(self._metrics_port_file(service.name)) if service is not None else None
             if port is not None and service.is_running():
                 targets[service.name] = f"{self.config.host}:{port}"
@@ -217,7 +237,7 @@ class LocalFleet:
 
     def services(self) -> list[ServiceProcess]:
         with self.lock:
-            return [s for s in [self.gateway, *self.workers, self.router] if s is not None]
+            return [s for s in [self.gateway, *self.workers, *self.shared_workers, self.router] if s is not None]
 
     def stop(self) -> None:
         """Front to back: the gateway stops taking requests first, the router last."""

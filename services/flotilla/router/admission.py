@@ -15,6 +15,9 @@ requests use a long-context worker only while no long request waits or runs ther
 
 Cold start: a request for a known model with no active replica (its pool scaling from zero) waits up to its
 deadline or `cold_start_wait_s`, then fails MODEL_STARTING ("model is starting", retry after a few seconds).
+A model of the shared pool (shared_pool.py) is cold until a shared-pool worker holds it loaded: its request asks
+for the load, and when the load's measured duration alone is beyond that bound it fails MODEL_STARTING at once
+(with the load's remaining time as Retry-After) instead of waiting.
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ from flotilla.router.model_routes import ModelRoutes
 from flotilla.router.models import ModelNotFoundError, Resolution, resolve_model
 from flotilla.router.placement import PlacementLimits, choose_worker
 from flotilla.router.registry import WorkerEntry, WorkerRegistry
-from flotilla.router.wait_estimate import ThroughputMeter, estimated_wait_s, overload_retry_after_s
+from flotilla.router.shared_pool import SharedPool
+from flotilla.router.wait_estimate import (ThroughputMeter, estimated_wait_s, overload_retry_after_s,
+                                           starting_retry_after_s, with_load_time)
 
 COLD_START_RETRY_AFTER_S = 5.0  # what a MODEL_STARTING answer tells the caller to wait
 
@@ -124,6 +129,7 @@ class Admission:
         max_queue_wait_s: float,
         wall_clock: Callable[[], float] = time.time,
         cold_start_wait_s: float | None = None,  # None: max_queue_wait_s
+        shared: SharedPool | None = None,  # the shared pool's placement (default: one over this registry)
     ):
         self._registry = registry
         self.routes = routes if isinstance(routes, ModelRoutes) else ModelRoutes(routes)
@@ -136,6 +142,8 @@ class Admission:
         self._queues: dict[str, _ModelQueues] = {}
         self._long_queues: dict[str, _ModelQueues] = {}  # the long-context lane: prompts for that pool
         self.throughput = ThroughputMeter()
+        self.shared = shared if shared is not None else SharedPool(registry)
+        self.shared.on_change = self.dispatch  # a finished load places the requests waiting for it
 
     def resolve(self, requested: str, affinity_key: str = "") -> Resolution:
         """The version this request goes to now: a rollout's split buckets `affinity_key` (its conversation)."""
@@ -175,10 +183,12 @@ class Admission:
         None while the fleet's throughput is unmeasured. `long_lane`: the ticket waits in the long-context lane."""
         self._observe_throughput()
         queues = (self._long_queues if long_lane else self._queues).get(name)
-        workers = [e for e in self._registry.workers() if e.model_name == name and self._registry.is_healthy(e)]
+        workers = [e for e in self._registry.workers() if self._registry.is_healthy(e) and (
+            e.model_name == name or self.shared.holds(e, name))]
         ahead = (queues.tokens_ahead(ticket or Ticket()) if queues else 0) + sum(
             self._registry.load_of(e).num_queued_tokens for e in workers)
-        return estimated_wait_s(ahead, self.throughput.tokens_per_s(e.worker_id for e in workers))
+        return with_load_time(estimated_wait_s(ahead, self.throughput.tokens_per_s(e.worker_id for e in workers)),
+                              self.shared.expected_load_s(name))
 
     async def acquire(self, requested: str, num_prompt_tokens: int, deadline_unix_s: float = 0.0,
                       ticket: Ticket | None = None, avoid: frozenset[str] = frozenset()) -> Placement:
@@ -196,7 +206,11 @@ class Admission:
                                         ticket.priority)
             if placement is not None:
                 return placement
-        self._check_wait_budget(resolution.name, ticket, long_lane)
+        cold = not self._registry.has_active_replica(resolution.name)
+        if cold and self.shared.is_shared_model(resolution.name):
+            self._check_load_time(resolution.name, requested, deadline_unix_s)
+        else:
+            self._check_wait_budget(resolution.name, ticket, long_lane)
         queue = queues.classes[ticket.priority]
         if len(queue) >= self._max_queue_depth:
             raise RouterError(pb.ERROR_CODE_OVERLOADED, f"queue for {resolution.name!r} is full",
@@ -205,7 +219,6 @@ class Admission:
                          max(ticket.num_tokens, num_prompt_tokens, 1), ticket.weight, deadline_unix_s, avoid,
                          ticket.affinity_key)
         queue.push(waiter)
-        cold = not self._registry.has_active_replica(resolution.name)
         try:
             await asyncio.wait([waiter.future], timeout=self._wait_budget(deadline_unix_s, cold))
         finally:
@@ -224,6 +237,13 @@ class Admission:
     def _long_waiting(self, name: str) -> bool:
         queues = self._long_queues.get(name)
         return queues is not None and any(not w.future.done() for w in queues.waiters())
+
+    def _check_load_time(self, name: str, requested: str, deadline_unix_s: float) -> None:
+        """A shared model that no worker holds: starting, at once, when its load alone outlasts the bound."""
+        load_s = self.shared.expected_load_s(name)
+        if load_s is not None and load_s > self._wait_budget(deadline_unix_s, cold=True):
+            raise _model_starting(requested, starting_retry_after_s(load_s),
+                                  f"loading it takes about {load_s:.0f} s, beyond this request's wait bound")
 
     def _check_wait_budget(self, name: str, ticket: Ticket, long_lane: bool = False) -> None:
         if ticket.max_queue_wait_s <= 0:
@@ -265,7 +285,7 @@ class Admission:
                 queue.pop()
                 waiter.future.set_exception(
                     RouterError(pb.ERROR_CODE_DEADLINE_EXCEEDED, "the request's deadline passed while it was queued")
-                    if self._registry.has_active_replica(name) else _model_starting(waiter.requested))
+                    if self._registry.has_active_replica(name) else self._starting(name, waiter.requested))
                 continue
             try:
                 placement = self._try_place(waiter.requested, waiter.num_prompt_tokens, waiter.tenant, waiter.avoid,
@@ -291,6 +311,10 @@ class Admission:
         if resolution.version is None:
             return None
         healthy = self._registry.healthy_workers(resolution.name, resolution.version)
+        healthy += self.shared.placeable(resolution.name, resolution.version)
+        if not healthy and self.shared.is_shared_model(resolution.name):
+            self.shared.ensure_loading(resolution.name, resolution.version)  # the request waits for the load
+            return None
         # A worker that just failed this request may still look healthy (a kill -9 can read as INTERNAL,
         # not UNAVAILABLE, and its heartbeats are not overdue yet): retry elsewhere while there is an elsewhere.
         workers = {e.worker_id: e for e in ([e for e in healthy if e.worker_id not in avoid] or healthy)}
@@ -300,10 +324,13 @@ class Admission:
         chosen = choose_worker(loads, num_prompt_tokens, self._limits, self._is_idle(resolution.name, tenant),
                                batch=priority == pb.PRIORITY_CLASS_BATCH, pools=pools)
         if chosen is None:
+            if self.shared.is_shared_model(resolution.name):  # full where it is loaded: one more, if a slot is free
+                self.shared.ensure_loading(resolution.name, resolution.version, spread=True)
             return None
         self._registry.record_placement(workers[chosen], num_prompt_tokens)
-        # Released (with the tenant and the long flag) by the router service when the relay ends.
-        self._registry.assign(workers[chosen], tenant, pools.long_context)
+        # Released (with the tenant, the long flag and the model) by the router service when the relay ends.
+        self._registry.assign(workers[chosen], tenant, pools.long_context, resolution.name)
+        self.shared.placed(workers[chosen])
         return Placement(workers[chosen], resolution, pools.long_context)
 
     def _wait_budget(self, deadline_unix_s: float, cold: bool = False) -> float:
@@ -314,15 +341,21 @@ class Admission:
 
     def _timeout_error(self, name: str, deadline_unix_s: float = 0.0, requested: str = "") -> RouterError:
         if not self._registry.has_active_replica(name):  # says more than a missed deadline
-            return _model_starting(requested or name)
+            return self._starting(name, requested or name)
         if not self._registry.has_healthy_worker(name):  # says more than a missed deadline: retry later
             return RouterError(pb.ERROR_CODE_UNAVAILABLE, f"no healthy worker serves {name!r} now")
         if 0 < deadline_unix_s <= self._wall_clock():
             return RouterError(pb.ERROR_CODE_DEADLINE_EXCEEDED, "the request's deadline passed while it was queued")
         return RouterError(pb.ERROR_CODE_OVERLOADED, f"every worker serving {name!r} is busy")
 
+    def _starting(self, name: str, requested: str) -> RouterError:
+        """MODEL_STARTING; for a shared model whose load time is known, retry once its load should be done."""
+        load_s = self.shared.expected_load_s(name)
+        return _model_starting(requested, starting_retry_after_s(load_s) if load_s else COLD_START_RETRY_AFTER_S)
 
-def _model_starting(requested: str) -> RouterError:
+
+def _model_starting(requested: str, retry_after_s: float = COLD_START_RETRY_AFTER_S, why: str = "") -> RouterError:
     """A cold model's answer: it names only what the caller asked for (the gateway passes it on as is)."""
-    return RouterError(pb.ERROR_CODE_MODEL_STARTING, f"model {requested!r} is starting: no replica is serving it "
-                       f"yet; retry in {COLD_START_RETRY_AFTER_S:g} s", retry_after_s=COLD_START_RETRY_AFTER_S)
+    return RouterError(pb.ERROR_CODE_MODEL_STARTING, f"model {requested!r} is starting: "
+                       f"{why or 'no replica is serving it yet'}; retry in {retry_after_s:g} s",
+                       retry_after_s=retry_after_s)

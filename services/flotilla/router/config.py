@@ -27,6 +27,7 @@ class RouterConfig:
     max_queue_depth: int = 1024  # per model; beyond: OVERLOADED at once
     max_queue_wait_s: float = 30.0  # a queued request gives up after this (or its deadline)
     cold_start_wait_s: float | None = None  # the same for a model with no active replica; None: max_queue_wait_s
+    shared_load_timeout_s: float = 600.0  # longest a shared-pool worker's LoadModel may take (shared_pool.py)
     limits: PlacementLimits = field(default_factory=PlacementLimits)
     batch: BatchSettings = field(default_factory=BatchSettings)  # fixed-batch models (batch_dispatcher.py)
     shutdown_grace_s: float = 5.0

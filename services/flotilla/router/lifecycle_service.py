@@ -164,6 +164,13 @@ class ModelLifecycleRpcs:
             summary.num_workers += 1
             summary.num_healthy_active += self._registry.is_healthy(entry) and entry.state == rpb.WORKER_STATE_ACTIVE
             summary.first_registered_s_ago = max(summary.first_registered_s_ago, now - entry.registered_at)
+        for entry in self._registry.shared_workers():  # a shared-pool worker can serve it; placeable while loaded
+            for model in (m for m in entry.info.shared.models if m.name == name):
+                summary = summaries.setdefault(model.version, rpb.ModelVersionSummary(version=model.version))
+                summary.num_workers += 1
+                summary.num_healthy_active += (self._registry.is_healthy(entry) and entry.has_loaded(
+                    f"{name}@{model.version}") and entry.state == rpb.WORKER_STATE_ACTIVE)
+                summary.first_registered_s_ago = max(summary.first_registered_s_ago, now - entry.registered_at)
         return rpb.ModelRoute(name=name, current_version=route.current, candidate_version=route.candidate,
                               candidate_weight_percent=route.candidate_percent if route.candidate else 0.0,
                               previous_version=route.previous, managed=route.managed,

@@ -81,6 +81,15 @@ class WorkerEntry:
         return self.info.HasField("fixed_batch")
 
     @property
+    def is_shared(self) -> bool:
+        """A shared-pool worker (WorkerInfo.shared): no model of its own, loads any of its models on demand."""
+        return self.info.HasField("shared")
+
+    def has_loaded(self, qualified: str) -> bool:
+        """Shared-pool worker: `name@version` is loaded there, as its last report (or load answer) says."""
+        return qualified in self.report.loaded_models
+
+    @property
     def batch_stub(self) -> worker_pb2_grpc.FixedBatchServiceStub:
         if self._batch_stub is None:
             self._batch_stub = worker_pb2_grpc.FixedBatchServiceStub(self.channel)
@@ -142,8 +151,10 @@ class WorkerRegistry:
         self._workers[info.worker_id] = entry
         if old is not None:
             self.assets.retain(self.announced_assets())
-        logger.info("worker %s registered: %s@%s at %s (%s pool)", info.worker_id, entry.model_name, entry.version,
-                    info.address, pool_label(entry.pool))
+        served = (f"shared pool of {', '.join(m.name for m in info.shared.models)}" if entry.is_shared
+                  else f"{entry.model_name}@{entry.version}")
+        logger.info("worker %s registered: %s at %s (%s pool)", info.worker_id, served, info.address,
+                    pool_label(entry.pool))
         return entry
 
     def owner_of(self, worker_id: str) -> str | None:
@@ -186,7 +197,7 @@ class WorkerRegistry:
 
     def announced_assets(self) -> set[str]:
         """Digests of the tokenizer files registered workers serve."""
-        return {e.info.model.assets_digest for e in self._workers.values() if e.info.model.assets_digest}
+        return {m.assets_digest for e in self._workers.values() for m in _models_of(e) if m.assets_digest}
 
     def get(self, worker_id: str) -> WorkerEntry | None:
         return self._workers.get(worker_id)
@@ -251,16 +262,25 @@ class WorkerRegistry:
         ]
 
     def has_healthy_worker(self, name: str) -> bool:
-        return any(e.model_name == name and self.is_healthy(e) for e in self._token_workers())
+        return any(e.model_name == name and self.is_healthy(e) for e in self._token_workers()) or any(
+            self.is_healthy(e) and any(m.name == name for m in e.info.shared.models) for e in self.shared_workers())
 
     def has_active_replica(self, name: str) -> bool:
         """A worker in rotation is registered for this model, healthy or not; without one the model is cold
-        (its pool scaling from zero, or only warm replicas not promoted yet)."""
-        return any(e.model_name == name and e.state == rpb.WORKER_STATE_ACTIVE for e in self._token_workers())
+        (its pool scaling from zero, or only warm replicas not promoted yet). A shared-pool worker counts while
+        it holds the model loaded: until then the model is cold too (its load is its cold start)."""
+        return any(e.model_name == name and e.state == rpb.WORKER_STATE_ACTIVE for e in self._token_workers()) or any(
+            e.state == rpb.WORKER_STATE_ACTIVE and any(m.partition("@")[0] == name for m in e.report.loaded_models)
+            for e in self.shared_workers())
 
     def _token_workers(self) -> list[WorkerEntry]:
-        """Workers of the token path (Generate); fixed-batch workers are the batch dispatcher's."""
-        return [e for e in self._workers.values() if not e.is_fixed_batch]
+        """Workers of one model on the token path (Generate); fixed-batch workers are the batch dispatcher's,
+        shared-pool workers the shared pool's (shared_pool.py)."""
+        return [e for e in self._workers.values() if not e.is_fixed_batch and not e.is_shared]
+
+    def shared_workers(self) -> list[WorkerEntry]:
+        """Shared-pool workers, in any state and health."""
+        return [e for e in self._workers.values() if e.is_shared]
 
     def fixed_batch_workers(self, name: str) -> list[WorkerEntry]:
         """Fixed-batch workers of a model, in any state and health (the dispatcher filters)."""
@@ -273,18 +293,19 @@ class WorkerRegistry:
         entry.num_placed_requests += 1
         entry.num_placed_tokens += num_prompt_tokens
 
-    def assign(self, entry: WorkerEntry, tenant: str = "", long_context: bool = False) -> None:
-        """`long_context`: a long prompt (context_pools.py); release it with the same flag."""
+    def assign(self, entry: WorkerEntry, tenant: str = "", long_context: bool = False, model: str = "") -> None:
+        """`long_context`: a long prompt (context_pools.py); `model`: the request's model name (default: the
+        worker's; a shared-pool worker has none). Release it with the same arguments."""
         entry.num_assigned += 1
         entry.num_long_assigned += long_context
-        self._tenant_assigned[(entry.model_name, tenant)] += 1
+        self._tenant_assigned[(model or entry.model_name, tenant)] += 1
 
-    def release(self, entry: WorkerEntry, tenant: str = "", long_context: bool = False) -> None:
+    def release(self, entry: WorkerEntry, tenant: str = "", long_context: bool = False, model: str = "") -> None:
         entry.num_assigned = max(0, entry.num_assigned - 1)
         if long_context:
             entry.num_long_assigned = max(0, entry.num_long_assigned - 1)
         entry.num_released_since_report += 1
-        key = (entry.model_name, tenant)
+        key = (model or entry.model_name, tenant)
         if self._tenant_assigned[key] <= 1:
             del self._tenant_assigned[key]
         else:
@@ -320,12 +341,19 @@ class WorkerRegistry:
             healthy = self.is_healthy(entry) or (old is not None and old.has_healthy_worker)
             first = min(entry.registered_at, old.first_registered) if old is not None else entry.registered_at
             refs[key] = ModelVersionRef(entry.model_name, entry.version, first, healthy)
+        for entry in self.shared_workers():  # every model a shared-pool worker can load is served
+            for model in entry.info.shared.models:
+                old = refs.get((model.name, model.version))
+                healthy = self.is_healthy(entry) or (old is not None and old.has_healthy_worker)
+                first = min(entry.registered_at, old.first_registered) if old is not None else entry.registered_at
+                refs[(model.name, model.version)] = ModelVersionRef(model.name, model.version, first, healthy)
         return list(refs.values())
 
     def model_info(self, name: str, version: str) -> pb.ModelInfo | None:
         """The version's model info, with the widest context window among its workers: a long-context pool may
         hold prompts the default pool cannot (placement sends each prompt only where it fits)."""
-        infos = [e.info.model for e in self._token_workers() if e.model_name == name and e.version == version]
+        infos = [model for entry in [*self._token_workers(), *self.shared_workers()] for model in _models_of(entry)
+                 if model.name == name and model.version == version]
         return max(infos, key=lambda info: info.max_model_len) if infos else None
 
     def status(self, entry: WorkerEntry) -> rpb.WorkerStatus:
@@ -343,3 +371,8 @@ class WorkerRegistry:
             state=entry.state,
             num_inflight=entry.num_inflight,
         )
+
+
+def _models_of(entry: WorkerEntry) -> list[pb.ModelInfo]:
+    """The models a worker serves: its own, or a shared-pool worker's loadable ones."""
+    return list(entry.info.shared.models) if entry.is_shared else [entry.info.model]

@@ -17,6 +17,7 @@ from flotilla.router.registry import WorkerRegistry
 from flotilla.observability.exposition import serve_metrics
 from flotilla.router.pool_metrics import PoolCollector
 from flotilla.router.service import RouterService
+from flotilla.router.shared_pool import SharedPool, SharedPoolMetrics
 from flotilla.router.telemetry import RouterMetrics
 from flotilla.router.access import ROUTER_POLICY
 from flotilla.rpc.options import aio_channel, aio_server, bind
@@ -44,6 +45,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         config.max_queue_depth,
         config.max_queue_wait_s,
         cold_start_wait_s=config.cold_start_wait_s,
+        shared=SharedPool(registry, SharedPoolMetrics(metrics.registry), config.shared_load_timeout_s),
     )
     batches = BatchDispatcher(registry, config.batch, frozenset(config.model_names))
     server = aio_server(config.tls, ROUTER_POLICY)

@@ -225,7 +225,7 @@ class RouterService(ModelLifecycleRpcs, router_pb2_grpc.RouterServiceServicer):
             call.cancel()
             worker.num_inflight -= 1
             # Its slot is free for the next queued request.
-            self._registry.release(worker, request.tenant_id, placement.long_context)
+            self._registry.release(worker, request.tenant_id, placement.long_context, placement.resolution.name)
 
     def _record_tokens(self, placement: Placement, num_tokens: int, arrived_s: float | None) -> float | None:
         """Count relayed tokens for the token mix; the first ones also give a TTFT sample. Returns None
@@ -251,7 +251,8 @@ class RouterService(ModelLifecycleRpcs, router_pb2_grpc.RouterServiceServicer):
         self, request: rpb.RegisterWorkerRequest, context: grpc.aio.ServicerContext
     ) -> rpb.RegisterWorkerResponse:
         info = request.worker
-        if not info.worker_id or not info.address or not info.model.name or not info.model.version:
+        models = list(info.shared.models) if info.HasField("shared") else [info.model]
+        if not info.worker_id or not info.address or not models or not all(m.name and m.version for m in models):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker_id, address and model name/version needed")
         if info.pool and info.pool not in POOLS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown pool {info.pool!r}; known: {POOLS}")
@@ -259,8 +260,11 @@ class RouterService(ModelLifecycleRpcs, router_pb2_grpc.RouterServiceServicer):
         self._registry.register(info, owner)
         self._membership_changed()
         digest = info.model.assets_digest
+        missing = sorted({m.assets_digest for m in info.shared.models
+                          if m.assets_digest and not self._registry.assets.has(m.assets_digest)})
         return rpb.RegisterWorkerResponse(heartbeat_interval_ms=self._heartbeat_interval_ms,
-                                          send_model_assets=bool(digest) and not self._registry.assets.has(digest))
+                                          send_model_assets=bool(digest) and not self._registry.assets.has(digest),
+                                          send_assets_digests=missing)
 
     async def PublishModelAssets(self, request_iterator, context: grpc.aio.ServicerContext
                                  ) -> rpb.PublishModelAssetsResponse:

@@ -66,3 +66,16 @@ def estimated_wait_s(num_tokens_ahead: int, tokens_per_s: float) -> float | None
 def overload_retry_after_s(wait_s: float, budget_s: float) -> float:
     """Time for the queue to drain to the level where this request would be admitted, at least 1 s."""
     return max(1.0, math.ceil(wait_s - budget_s))
+
+
+def with_load_time(wait_s: float | None, load_s: float | None) -> float | None:
+    """The wait of a request whose model must first be loaded (a shared-pool model, shared_pool.py): the load
+    comes before the queue drains onto it; known once either part is."""
+    if not load_s:
+        return wait_s
+    return (wait_s or 0.0) + load_s
+
+
+def starting_retry_after_s(load_s: float) -> float:
+    """Retry-After for a model still loading: when its load should be done, at least 1 s."""
+    return max(1.0, math.ceil(load_s))

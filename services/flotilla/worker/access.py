@@ -14,6 +14,7 @@ WORKER_POLICY: dict[str, tuple[str, ...]] = {
     _WORKER.format("Abort"): ("router",),
     _WORKER.format("Health"): ("router", "operator", "worker"),
     _WORKER.format("GetLoad"): ("router", "operator"),
+    _WORKER.format("LoadModel"): ("router",),  # a shared-pool worker's on-demand load
     _BATCH.format("RunBatch"): ("router",),
     # A peer learns this pool's NIXL metadata only for a hand-off it is part of (kv_service.py checks the
     # transfer id); RemotePrefill and its abort come from the decode worker of the hand-off.

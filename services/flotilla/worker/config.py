@@ -33,6 +33,10 @@ class WorkerConfig:
     metrics_port_file: str | None = None  # where the bound metrics port is written
     output_check: CheckSettings = field(default_factory=CheckSettings)  # golden-output health (output_check.py)
     tls: InternalTLS | None = None  # mTLS for its server and its channels (router, KV peers); None: insecure
+    # A shared-pool worker (shared_server.py): (name, checkpoint dir) of every model it may load on demand, and
+    # how many it holds loaded at once (the least recently used is unloaded for another). Empty: one model.
+    shared_models: tuple[tuple[str, str], ...] = ()
+    max_loaded_models: int = 1
 
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"worker-{uuid.uuid4().hex[:8]}"

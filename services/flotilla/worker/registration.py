@@ -33,6 +33,7 @@ class RouterLink:
         heartbeat_interval_s: float = 0.25,
         tokenizer_files: Mapping[str, bytes] | None = None,
         tls: InternalTLS | None = None,
+        shared_assets: Mapping[str, Mapping[str, bytes]] | None = None,  # digest -> files (shared-pool worker)
     ):
         self._channel = aio_channel(router_address, tls, "router")
         self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
@@ -40,8 +41,10 @@ class RouterLink:
         self._current_load = current_load
         self._interval_s = heartbeat_interval_s
         self._tokenizer_files = tokenizer_files or {}
+        self._shared_assets = shared_assets or {}
         self._registered = False
         self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()  # report_now: heartbeat before the interval is up
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -64,7 +67,13 @@ class RouterLink:
                 await self._tick()
             except grpc.aio.AioRpcError as exc:  # router down or restarting: keep trying
                 logger.debug("router call failed: %s", exc.code())
-            await asyncio.sleep(self._interval_s)  # a periodic timer, not a wait for something
+            self._wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):  # the interval, or sooner on report_now
+                await asyncio.wait_for(self._wake.wait(), self._interval_s)
+
+    def report_now(self) -> None:
+        """Send the next heartbeat at once (a shared-pool worker loaded or unloaded a model)."""
+        self._wake.set()
 
     async def _tick(self) -> None:
         if self._registered:
@@ -86,6 +95,10 @@ class RouterLink:
             self._interval_s = response.heartbeat_interval_ms / 1000
         if response.send_model_assets:
             await self._publish_tokenizer_files()
+        for digest in response.send_assets_digests:
+            if digest in self._shared_assets:
+                await self._stub.PublishModelAssets(asset_chunks(digest, self._shared_assets[digest]),
+                                                    timeout=PUBLISH_TIMEOUT_S)
         self._registered = True
         logger.info("registered with the router as %s", self._worker.worker_id)
         # Report load at once, so that the router does not wait an interval to place work here.
