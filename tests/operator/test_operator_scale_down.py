@@ -36,8 +36,8 @@ from .test_operator_kmock import OPERATOR_TLS, POOL, _get
 POOL_NAME = "tiny-pool"
 PODS = [f"{POOL_NAME}-workers-5d8c7-{suffix}" for suffix in ("a", "b", "c")]
 POOL_KEY = (kmock.resource("flotilla.dev/v1alpha1/flotillapools"), "ns1", POOL_NAME)
-# About 1 s and 4 s of tokens on an idle CPU: the second streams outlast the first ones' drain plus the idle time.
-FIRST_TOKENS, SECOND_TOKENS = 200, 800
+# About 2 s and 5 s of tokens on an idle CPU: the second streams outlast the first ones' drain plus the idle time.
+FIRST_TOKENS, SECOND_TOKENS = 400, 1000
 TIMEOUT_S = 90.0
 
 
@@ -108,18 +108,19 @@ async def test_pool_scales_3_to_1_to_0_under_streams_without_failing_one(kube, r
         await replica_set.start()  # the three pods, each a worker process
         await async_wait_until(lambda: _all_active(router_states), TIMEOUT_S, "three workers in rotation")
 
-        # Step 1, 3 -> 1: streams on every worker (one at a time: each goes where most KV is free), then the
-        # minimum goes to 0. One replica fits the load.
-        while len(streams) < 12 and min(_per_worker(streams).values(), default=0) < 2:
-            streams.append(Stream(stub, f"first-{len(streams)}", FIRST_TOKENS))
-            await streams[-1].first_chunk.wait()
-        assert min(_per_worker(streams).values()) >= 1, _per_worker(streams)
+        # Step 1, 3 -> 1: streams on every worker, started close together (the least busy workers are the
+        # victims: one whose streams ended would be drained with nothing on it), then the minimum goes to 0.
+        # One replica fits the load.
+        while len(streams) < 12 and min(_per_worker(streams).values()) < 2:
+            batch = [Stream(stub, f"first-{len(streams) + i}", FIRST_TOKENS) for i in range(3)]
+            await asyncio.gather(*(s.first_chunk.wait() for s in batch))
+            streams += batch
         await kube.patch(f"/apis/flotilla.dev/v1alpha1/namespaces/ns1/flotillapools/{POOL_NAME}",
                          json={"spec": {"replicas": {"min": 0, "max": 3, "warm": 0}}})
         victims = await async_wait_until(lambda: _two(draining), 20, "two workers draining")
         (survivor,) = set(PODS) - victims
-        on_victims = [s for s in streams if s.worker_ids & victims]
-        assert not any(s.done for s in on_victims)  # the drain began under their streams
+        for victim in victims:  # the drain began under streams on each
+            assert any(not s.done for s in streams if victim in s.worker_ids), (victim, _per_worker(streams))
         assert replica_set.replicas == 3 and replica_set.deletions == []
 
         # Step 2's streams start now, on the only worker in rotation; they reset the idle clock.

@@ -37,6 +37,7 @@ class RescaleResult:
     signals: PoolSignals
     draining: list[str]
     drained: list[str] = field(default_factory=list)  # idle now: their pods may go
+    reactivated: list[str] = field(default_factory=list)  # taken back from draining: their pods stay
 
     def status(self, ready_replicas: int) -> dict[str, Any]:
         s = self.signals
@@ -74,7 +75,8 @@ def rescale(spec: PoolSpec, status: dict[str, Any], router: RouterClient, curren
     # last status patch, and a victim missing from the count would lower the replicas under its streams.
     draining = sorted(w for w, worker in workers.items() if worker.state == rpb.WORKER_STATE_DRAINING)
     drained = [w for w in draining if drain_finished(workers[w])]
-    num_starting = max(0, current_replicas - len(workers) - len(drained))
+    # Pods not registered yet. A lower bound: a victim whose pod is going may still be registered.
+    num_starting = max(0, current_replicas - len(workers))
     if num_starting:
         drained = []  # lowered now, the ReplicaSet would remove a starting (not ready) pod instead
     draining = [w for w in draining if w not in drained]
@@ -84,16 +86,18 @@ def rescale(spec: PoolSpec, status: dict[str, Any], router: RouterClient, curren
         floor = prefill_floor(spec.policy, num_decode, token_mix(signals), spec.throughput)
     decision = explain(decide(with_floor(spec.policy, floor), signals, scaler_state(status), now_s, num_starting),
                        floor)
-    newly_draining, reactivated = _settle(router, workers, decision, draining)
+    # A scale-up takes back draining workers (loaded, no cold start): those still busy first, then drained ones.
+    newly_draining, reactivated = _settle(router, workers, decision, draining + drained)
     draining = [w for w in draining if w not in reactivated] + newly_draining
+    drained = [w for w in drained if w not in reactivated]
     replicas = decision.num_active + decision.num_warm + len(draining)
-    return RescaleResult(replicas, decision, signals, draining, drained)
+    return RescaleResult(replicas, decision, signals, draining, drained, reactivated)
 
 
 def _settle(router: RouterClient, workers: dict[str, rpb.WorkerStatus], decision: Decision,
             draining: list[str]) -> tuple[list[str], list[str]]:
     """Move router states toward the decision; returns (the workers newly set draining, the draining ones
-    set back to active: a scale-up takes them before it waits for new pods)."""
+    set back to active, in the order given: a scale-up takes them before it waits for new pods)."""
     active = _least_busy(workers, rpb.WORKER_STATE_ACTIVE)
     warm = _least_busy(workers, rpb.WORKER_STATE_WARM)
     promote = warm[: max(0, decision.num_active - len(active))]
