@@ -61,6 +61,7 @@ UNIT_PATHS = (
     "operator/test_model_route_plan.py",
     "operator/test_pod_policy.py",
     "operator/test_ratio.py",
+    "operator/test_scaler.py",
     "router",
     "rpc/test_convert.py",
     "rpc/test_tls.py",

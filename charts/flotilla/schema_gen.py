@@ -39,6 +39,7 @@ AUTOSCALING = {
         "ttftP95Seconds": {"type": "number", "exclusiveMinimum": 0},
         "scaleUpCooldownSeconds": {"type": "number", "minimum": 0},
         "scaleDownCooldownSeconds": {"type": "number", "minimum": 0},
+        "scaleToZeroAfterIdleSeconds": {"type": "number", "minimum": 0},
         "targetCPUUtilizationPercentage": {"type": "integer", "minimum": 1, "maximum": 100},
     },
     "additionalProperties": False,

@@ -127,6 +127,36 @@ def test_warm_pool_refill_and_retire_in_steady_state():
     assert surplus.num_retire_warm == 2
 
 
+def test_no_scale_down_while_a_drain_is_unfinished():
+    draining = PoolSignals(num_active=4, num_warm=2, num_draining=1, num_total_blocks=400)
+    held = decide(POLICY, draining, ScalerState(), now_s=1000.0)
+    assert held.num_active == 4 and not held.changed and "waits for 1 draining" in held.reason
+    done = PoolSignals(num_active=4, num_warm=2, num_total_blocks=400)
+    assert decide(POLICY, done, ScalerState(), now_s=1000.0).num_drain == 1
+    up = PoolSignals(num_active=4, num_warm=2, num_draining=1, num_queued_tokens=6000, num_total_blocks=400)
+    assert decide(POLICY, up, ScalerState(), now_s=1000.0).num_active == 6  # a drain never holds a scale-up
+
+
+def test_scale_to_zero_waits_for_the_idle_time_then_drains_streams_in_flight():
+    policy = PoolPolicy(**{**POLICY.__dict__, "min_replicas": 0, "warm_replicas": 0, "scale_to_zero_idle_s": 600})
+
+    def idle_for(seconds: float, num_active: int = 1, **more) -> PoolSignals:
+        return PoolSignals(num_active=num_active, num_warm=0, num_total_blocks=100 * num_active,
+                           seconds_since_last_request=seconds, **more)
+
+    one = decide(policy, idle_for(30.0, num_active=2), ScalerState(), now_s=1000.0)
+    assert (one.num_active, one.num_drain) == (1, 1)  # an empty queue fits no replica, but zero waits
+    assert not decide(policy, idle_for(599.0), ScalerState(), 1000.0).changed
+    # Idle long enough: zero, though a long stream still holds KV on the last replica (it drains there).
+    zero = decide(policy, idle_for(600.0, num_used_blocks=50), ScalerState(), 1e3)
+    assert (zero.num_active, zero.num_drain) == (0, 1) and "no request for 600s" in zero.reason
+    queued = idle_for(900.0, num_queued_requests=1)
+    assert not decide(policy, queued, ScalerState(), 1000.0).changed  # a request waiting is no idle model
+    # Without an idle time, zero follows the load alone (the local supervisor's default).
+    load_only = PoolPolicy(**{**policy.__dict__, "scale_to_zero_idle_s": 0.0})
+    assert decide(load_only, idle_for(0.0), ScalerState(), 1e3).num_active == 0
+
+
 def test_ratio_follows_token_mix():
     throughput = RoleThroughput(prefill_tokens_per_s=8000.0, decode_tokens_per_s=1000.0)
     policy = PoolPolicy(min_replicas=1, max_replicas=64)
@@ -149,6 +179,7 @@ def test_demand_counts_tokens_not_requests():
 @pytest.mark.parametrize("bad", [
     dict(min_replicas=3, max_replicas=2), dict(warm_replicas=-1), dict(target_kv_utilisation=0.0),
     dict(hysteresis=1.0), dict(ttft_p95_slo_s=0), dict(max_scale_down_step=0),
+    dict(scale_to_zero_idle_s=-1.0),
 ])
 def test_bad_policy_raises(bad):
     with pytest.raises(ValueError):

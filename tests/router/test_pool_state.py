@@ -140,3 +140,30 @@ def test_the_window_and_the_horizon_cut_by_whole_seconds():
     assert traffic.snapshot("m", 31.0).num_output_tokens == 11
     clock.now = 1000.0 + MAX_WINDOW_S + 1.0
     assert traffic.snapshot("m", MAX_WINDOW_S).num_output_tokens == 10  # second 1000 fell off the horizon
+
+
+async def test_idle_time_counts_from_the_last_placed_request_else_from_the_routers_start():
+    clock = Clock()
+    traffic = TrafficWindow(clock)
+    clock.now += 7.0
+    assert traffic.snapshot("tiny", 30.0).seconds_since_last_request == 7.0  # none yet: since the start
+    traffic.record_prompt("tiny", 5)
+    clock.now += 2.5
+    assert traffic.snapshot("tiny", 30.0).seconds_since_last_request == 2.5
+    registry, _, _ = make()
+    signals = pool_signals(rpb.GetPoolSignalsRequest(model="tiny"), registry, traffic, 0, 0)
+    assert signals.seconds_since_last_request == 2.5
+
+
+async def test_seconds_in_state_restart_when_the_state_changes_and_survive_re_registration():
+    registry, _, clock = make()
+    register(registry, "w1")
+    clock.now += 4.0
+    assert registry.status(registry.get("w1")).seconds_in_state == 4.0  # since it registered
+    registry.set_state("w1", rpb.WORKER_STATE_DRAINING)
+    clock.now += 1.5
+    registry.set_state("w1", rpb.WORKER_STATE_DRAINING)  # the same state again: the drain started earlier
+    register(registry, "w1")
+    clock.now += 0.5
+    status = registry.status(registry.get("w1"))
+    assert (status.state, status.seconds_in_state) == (rpb.WORKER_STATE_DRAINING, 2.0)

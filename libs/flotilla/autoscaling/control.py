@@ -12,6 +12,10 @@ One law drives the Kubernetes operator (FlotillaPool) and the local supervisor (
   that fits fewer replicas, and `scale_down_cooldown_s` passed since the last change, does the pool shrink,
   by at most `max_scale_down_step`. A load that just triggered a scale-up therefore never triggers the
   scale-down that would undo it (no oscillation).
+- One drain at a time: while any replica of the pool is draining, no further scale-down is decided (a drain
+  that does not finish holds the pool at its size instead of stacking up more of them).
+- Scale to zero (min_replicas 0) waits for `scale_to_zero_idle_s` without a new request, when set; then the
+  last replicas drain even with streams in flight (they finish on them). Until then the pool keeps one.
 - The warm pool is refilled behind every promotion; a replica leaving rotation refills it first (demote:
   no cold start) and is drained (no new work, in-flight streams finish) only when the pool is full.
 - New replicas always start warm: the router keeps them out of rotation and the next decision promotes
@@ -100,13 +104,28 @@ def decide(
     if target_up > current and (current < policy.min_replicas or
                                 now_s - state.last_scale_up_s >= policy.scale_up_cooldown_s):
         return _scale_up(policy, signals, state, now_s, num_starting, target_up, up.reason)
-    down = demand(policy, signals, 1.0 - policy.hysteresis)
+    down = _down_demand(policy, signals)
     target_down = clamp(policy, down.replicas)
     last_change_s = max(state.last_scale_up_s, state.last_scale_down_s)
     if target_down < current and now_s - last_change_s >= policy.scale_down_cooldown_s:
+        if signals.num_draining:
+            return _steady(policy, signals, state, num_starting,
+                           f"hold: scale-down to {target_down} waits for {signals.num_draining} draining")
         return _scale_down(policy, signals, state, now_s, num_starting, target_down, down.reason)
     reason = "hold" if target_up <= current else f"hold: scale-up cooling down ({up.reason})"
     return _steady(policy, signals, state, num_starting, reason)
+
+
+def _down_demand(policy: PoolPolicy, signals: PoolSignals) -> Demand:
+    """The demand a scale-down goes to: the load at (1 - hysteresis) of every target; with a scale-to-zero
+    idle time, zero only once the model got no request for that long (then zero whatever is in flight)."""
+    down = demand(policy, signals, 1.0 - policy.hysteresis)
+    if policy.min_replicas > 0 or not policy.scale_to_zero_idle_s:
+        return down
+    idle_s = signals.seconds_since_last_request
+    if idle_s >= policy.scale_to_zero_idle_s and not signals.num_queued_requests:
+        return Demand(0, f"idle: no request for {idle_s:.0f}s")
+    return Demand(max(1, down.replicas), down.reason)
 
 
 def _scale_up(policy, signals, state, now_s, num_starting, target, why) -> Decision:

@@ -19,6 +19,9 @@ class PoolPolicy:
     scale_down_cooldown_s: float = 300.0  # after any change, before a scale-down: slow down
     hysteresis: float = 0.2  # scale down only when the load fits fewer replicas at (1 - hysteresis) of target
     max_scale_down_step: int = 1  # replicas drained per scale-down decision
+    # min_replicas 0 only: the last replica leaves once no request came for this long (its streams finish on
+    # it while it drains); 0: as soon as the load fits no replica at all.
+    scale_to_zero_idle_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.min_replicas < 0 or self.max_replicas < 1 or self.min_replicas > self.max_replicas:
@@ -39,6 +42,8 @@ class PoolPolicy:
             raise ValueError("hysteresis must be in [0, 1)")
         if self.max_scale_down_step < 1:
             raise ValueError("max_scale_down_step must be >= 1")
+        if self.scale_to_zero_idle_s < 0:
+            raise ValueError("scale_to_zero_idle_s must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ def to_pool_signals(response: rpb.GetPoolSignalsResponse) -> PoolSignals:
         ttft_p95_s=response.ttft_p95_s,
         num_prompt_tokens=response.num_prompt_tokens,
         num_output_tokens=response.num_output_tokens,
+        seconds_since_last_request=max(0.0, response.seconds_since_last_request),
     )
 
 

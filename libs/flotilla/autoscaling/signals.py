@@ -17,6 +17,7 @@ class PoolSignals:
     ttft_p95_s: float = 0.0  # over the router's recent window; 0 when no request finished its first token
     num_prompt_tokens: int = 0  # admitted in the window: the prompt side of the token mix
     num_output_tokens: int = 0  # relayed in the window: the output side of the token mix
+    seconds_since_last_request: float = 0.0  # since the router placed one for the model (0: just now)
 
     def __post_init__(self) -> None:
         for name in ("num_active", "num_warm", "num_draining", "num_queued_requests", "num_queued_tokens",
@@ -25,8 +26,8 @@ class PoolSignals:
                 raise ValueError(f"{name} must be >= 0")
         if self.num_used_blocks > self.num_total_blocks:
             raise ValueError("num_used_blocks must be <= num_total_blocks")
-        if self.ttft_p95_s < 0:
-            raise ValueError("ttft_p95_s must be >= 0")
+        if self.ttft_p95_s < 0 or self.seconds_since_last_request < 0:
+            raise ValueError("ttft_p95_s and seconds_since_last_request must be >= 0")
 
     @property
     def kv_utilisation(self) -> float:

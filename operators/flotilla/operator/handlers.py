@@ -112,6 +112,8 @@ def register_handlers(registry: kopf.OperatorRegistry, config: OperatorConfig) -
         for worker_id in result.drained:  # drained: let the ReplicaSet remove exactly these pods first
             kube.annotate_pod(meta["namespace"], worker_id, manifests.DELETION_COST_ANNOTATION,
                               manifests.DRAINED_DELETION_COST)
+        for worker_id in result.reactivated:  # serving again: not the first pod to go any more
+            kube.annotate_pod(meta["namespace"], worker_id, manifests.DELETION_COST_ANNOTATION, None)
         if result.replicas != current:
             kube.scale_deployment(meta["namespace"], name, result.replicas)
             logger.info("FlotillaPool %s: %d -> %d replicas: %s", meta["name"], current, result.replicas,

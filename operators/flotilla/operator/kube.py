@@ -82,8 +82,8 @@ class Kube:
     def scale_deployment(self, namespace: str, name: str, replicas: int) -> None:
         self.apps.patch_namespaced_deployment(name, namespace, {"spec": {"replicas": replicas}})
 
-    def annotate_pod(self, namespace: str, name: str, key: str, value: str) -> bool:
-        """False when the pod is gone already."""
+    def annotate_pod(self, namespace: str, name: str, key: str, value: str | None) -> bool:
+        """value None removes the annotation. False when the pod is gone already."""
         try:
             self.core.patch_namespaced_pod(name, namespace, {"metadata": {"annotations": {key: value}}})
         except ApiException as error:

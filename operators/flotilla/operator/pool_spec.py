@@ -70,6 +70,7 @@ def parse_spec(spec: dict[str, Any]) -> PoolSpec:
             scale_down_cooldown_s=float(scaling.get("scaleDownCooldownSeconds", 300)),
             hysteresis=float(scaling.get("hysteresis", 0.2)),
             max_scale_down_step=int(scaling.get("maxScaleDownStep", 1)),
+            scale_to_zero_idle_s=float(scaling.get("scaleToZeroAfterIdleSeconds", 600)),
         )
         return PoolSpec(
             model=ModelRef(model["name"], model.get("version", ""), model["checkpoint"]),

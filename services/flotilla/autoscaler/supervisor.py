@@ -4,7 +4,7 @@ Every tick it reads the pool's signals from the router, asks the control law for
 promote warm workers (router state ACTIVE: in rotation at once, their weights are loaded), demote or drain
 active ones, start new workers (declared WARM in the router before they start, so they never take traffic
 before the next decision promotes them) and stop drained ones once the router relays nothing from them and
-their last load reports show no running or waiting request for `drain_settle_s`.
+their last load reports show no running or waiting request and no KV hand-off for `drain_settle_s`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import grpc
 
 from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.autoscaling.control import Decision, ScalerState, decide
+from flotilla.autoscaling.drain import holds_work
 from flotilla.autoscaling.policy import PoolPolicy
 from flotilla.autoscaling.router_client import RouterClient
 from flotilla.observability.autoscaler import AutoscalerMetrics
@@ -124,7 +125,7 @@ class LocalSupervisor:
     def _finish_drains(self, statuses: dict[str, rpb.WorkerStatus], now: float) -> None:
         for replica_id, draining in list(self._draining.items()):
             status = statuses.get(replica_id)
-            if status is not None and not _idle(status):
+            if status is not None and holds_work(status):
                 draining.idle_since_s = None
                 continue
             if draining.idle_since_s is None:
@@ -160,7 +161,3 @@ def _ids_in(statuses: dict[str, rpb.WorkerStatus], state: int) -> list[str]:
     chosen = [s for s in statuses.values() if s.state == state]
     chosen.sort(key=lambda s: (s.num_inflight, s.load.num_running + s.load.num_waiting, s.worker.worker_id))
     return [s.worker.worker_id for s in chosen]
-
-
-def _idle(status: rpb.WorkerStatus) -> bool:
-    return status.num_inflight == 0 and status.load.num_running + status.load.num_waiting == 0

@@ -34,6 +34,7 @@ def pool_signals(
         num_prompt_tokens=snapshot.num_prompt_tokens,
         num_output_tokens=snapshot.num_output_tokens,
         window_s=window_s,
+        seconds_since_last_request=snapshot.seconds_since_last_request,
     )
 
 

@@ -49,6 +49,7 @@ class WorkerEntry:
     num_long_assigned: int = 0  # of num_assigned, those with a long prompt (context_pools.py), exact like it
     was_healthy: bool = True  # for logging health transitions once
     state: int = rpb.WORKER_STATE_ACTIVE  # warm and draining workers get no new work (autoscaler)
+    state_since: float = 0.0  # when the state was set (or the worker registered): a drain's start
     # The certificate identity that registered this worker id: only it may heartbeat, re-register or
     # deregister the id while the router knows it ("" on an insecure router).
     owner: str = ""
@@ -144,8 +145,9 @@ class WorkerRegistry:
             entry.num_assigned = old.num_assigned
             entry.num_long_assigned = old.num_long_assigned
         pending = self._pending_states.pop(info.worker_id, None)
+        entry.state_since = now
         if old is not None:
-            entry.state = old.state
+            entry.state, entry.state_since = old.state, old.state_since
         elif pending is not None:
             entry.state = pending[0]
         self._workers[info.worker_id] = entry
@@ -192,6 +194,7 @@ class WorkerRegistry:
             return False, previous
         previous, entry.state = entry.state, state
         if previous != state:
+            entry.state_since = self._clock()
             logger.info("worker %s: %s -> %s", worker_id, rpb.WorkerState.Name(previous), rpb.WorkerState.Name(state))
         return True, previous
 
@@ -370,6 +373,7 @@ class WorkerRegistry:
             seconds_since_heartbeat=self._clock() - entry.last_heartbeat,
             state=entry.state,
             num_inflight=entry.num_inflight,
+            seconds_in_state=self._clock() - entry.state_since,
         )
 
 

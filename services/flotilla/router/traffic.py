@@ -18,6 +18,7 @@ class TrafficSnapshot:
     num_ttft_samples: int
     num_prompt_tokens: int
     num_output_tokens: int
+    seconds_since_last_request: float  # since the last placed request, else since the window was made
 
 
 @dataclass
@@ -27,12 +28,14 @@ class _ModelTraffic:
     # entry per chunk made a 300 s window hold ~a million entries at a few thousand tokens per second.
     prompt_tokens: deque[list[int]] = field(default_factory=deque)
     output_tokens: deque[list[int]] = field(default_factory=deque)
+    last_request_s: float | None = None  # when record_prompt was last called: the model's idle clock
 
 
 class TrafficWindow:
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self._clock = clock
         self._models: dict[str, _ModelTraffic] = {}
+        self._started_s = clock()  # a model without requests since (a router restart) is idle since then
 
     def _model(self, name: str) -> _ModelTraffic:
         traffic = self._models.setdefault(name, _ModelTraffic())
@@ -46,7 +49,10 @@ class TrafficWindow:
         self._model(model).ttfts.append((self._clock(), seconds))
 
     def record_prompt(self, model: str, num_tokens: int) -> None:
-        _count(self._model(model).prompt_tokens, self._clock(), num_tokens)
+        """One placed request of `num_tokens` prompt tokens."""
+        traffic = self._model(model)
+        traffic.last_request_s = self._clock()
+        _count(traffic.prompt_tokens, traffic.last_request_s, num_tokens)
 
     def record_output(self, model: str, num_tokens: int) -> None:
         if num_tokens:
@@ -54,13 +60,16 @@ class TrafficWindow:
 
     def snapshot(self, model: str, window_s: float) -> TrafficSnapshot:
         traffic = self._model(model)
-        since = self._clock() - window_s
+        now = self._clock()
+        since = now - window_s
         ttfts = sorted(seconds for at, seconds in traffic.ttfts if at >= since)
         return TrafficSnapshot(
             ttft_p95_s=_p95(ttfts),
             num_ttft_samples=len(ttfts),
             num_prompt_tokens=_counted_since(traffic.prompt_tokens, since),
             num_output_tokens=_counted_since(traffic.output_tokens, since),
+            seconds_since_last_request=now - (self._started_s if traffic.last_request_s is None
+                                              else traffic.last_request_s),
         )
 
 

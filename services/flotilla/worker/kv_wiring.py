@@ -1,6 +1,7 @@
 """Worker wiring for disaggregation: the KV hand-off (roles prefill and decode: the KVTransferService, and the
 decode side WorkerService.Generate uses for a request that names a prefill worker), the role announced to the
-router, and the prefix-cache hashes added to every load report (all roles)."""
+router, and what is added to every load report: the prefix-cache hashes (all roles) and the hand-offs in
+flight (roles prefill and decode)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ class KVWiring:
     reporter: PrefixReporter
 
     def decorate(self, report: pb.LoadReport) -> pb.LoadReport:
+        if self.handoff is not None:  # a draining worker is stopped only once none is in flight
+            report.num_kv_handoffs = len(self.handoff.incoming) + len(self.handoff.outgoing)
         return self.reporter.decorate(report)
 
     async def close(self) -> None:
