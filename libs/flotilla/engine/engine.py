@@ -195,6 +195,7 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        self.kv_cache_manager.release_expired_quarantine(time.monotonic())  # aborted hand-offs' blocks
         scheduler_output = self.scheduler.schedule()
         self._num_preemptions += len(scheduler_output.preempted)
         if scheduler_output.is_empty and not scheduler_output.swap_out:

@@ -62,6 +62,7 @@ def kv_state(engine: LLMEngine, reserved_request_ids: list[str]) -> kpb.KVState:
         num_free_blocks=kv.num_free_blocks,
         num_total_blocks=kv.num_blocks,
         num_reserved_blocks=sum(len(kv.block_ids(request_id)) for request_id in reserved_request_ids),
+        num_quarantined_blocks=kv.num_quarantined_blocks,
         num_running=engine.scheduler.num_running,
         num_waiting=engine.scheduler.num_waiting,
     )
