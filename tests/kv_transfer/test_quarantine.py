@@ -15,6 +15,7 @@ import pytest
 
 from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.kvtransfer.v1 import kv_transfer_pb2 as kpb
+from flotilla.engine.async_engine import AsyncEngine
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.engine import LLMEngine
 from flotilla.engine.new_request import NewRequest
@@ -124,14 +125,6 @@ def test_engine_step_frees_an_expired_quarantine_and_the_request_id_is_free_at_o
 
 
 # ---- the decode side's decision --------------------------------------------------------------------
-class _InlineEngine:
-    def __init__(self, llm: LLMEngine):
-        self.llm = llm
-
-    async def call(self, fn):
-        return fn(self.llm)
-
-
 def _rpc_error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=code.name)
 
@@ -191,9 +184,10 @@ CASES = {
 def test_decode_side_quarantines_when_a_write_may_still_land(tiny_checkpoint, case):
     make_peer, cancel, quarantined = CASES[case]
     llm, peer = _engine(tiny_checkpoint), make_peer()
+    engine = AsyncEngine(lambda: llm)
     lease_s = 0.3
     handoff = SimpleNamespace(
-        engine=_InlineEngine(llm), settings=SimpleNamespace(min_remote_prefill_tokens=1, lease_s=lease_s),
+        engine=engine, settings=SimpleNamespace(min_remote_prefill_tokens=1, lease_s=lease_s),
         incoming={}, arrivals=ArrivalTracker(), transport=SimpleNamespace(name="decode-agent"),
         counters=SimpleNamespace(num_local_fallbacks=0), peer_stub=lambda address: peer,
     )  # fmt: skip
@@ -202,6 +196,7 @@ def test_decode_side_quarantines_when_a_write_may_still_land(tiny_checkpoint, ca
                              sampling=pb.SamplingParams(max_tokens=2, temperature=0.0))
 
     async def hand_off():
+        await engine.start()
         opening = asyncio.ensure_future(decode_side.open_stream(gen, "127.0.0.1:2"))
         if cancel:
             while not handoff.incoming:  # reserved, RemotePrefill in flight
@@ -212,14 +207,19 @@ def test_decode_side_quarantines_when_a_write_may_still_land(tiny_checkpoint, ca
             assert peer.num_aborts == 1
         else:
             assert await opening is None  # prefilled here instead
-        held = llm.kv_cache_manager.num_quarantined_blocks
-        # Meanwhile a new reservation never gets a quarantined block.
-        other = try_reserve(llm, NewRequest("other", tuple(range(500, 537)), PARAMS))
-        assert other is not None and llm.check_integrity()
-        release(llm, other)
+        held = await engine.call(lambda llm: llm.kv_cache_manager.num_quarantined_blocks)
+
+        def reserve_another(llm):  # meanwhile a new reservation never gets a quarantined block
+            other = try_reserve(llm, NewRequest("other", tuple(range(500, 537)), PARAMS))
+            assert other is not None and llm.check_integrity()
+            release(llm, other)
+
+        await engine.call(reserve_another)
         deadline = time.monotonic() + 10
-        while llm.kv_cache_manager.num_quarantined_blocks and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)  # the decode side's timer frees them once the lease ended
+        while await engine.call(lambda llm: llm.kv_cache_manager.num_quarantined_blocks):
+            assert time.monotonic() < deadline, "the idle engine did not end the quarantine"
+            await asyncio.sleep(0.02)  # the engine thread frees them once the lease ended, idle or not
+        await engine.shutdown()
         return held
 
     held = asyncio.run(hand_off())

@@ -144,7 +144,7 @@ class KVSender:
         try:
             ticket = self.transport.write_layer(
                 target.peer, layer_index, planned.src_block_ids, planned.dst_block_ids,
-                notif_message(target.transfer_id, layer_index),
+                notif_message(target.transfer_id, layer_index, planned.dst_block_ids),
             )  # fmt: skip
         except (KVTransferError, ValueError) as exc:
             target.error = str(exc)

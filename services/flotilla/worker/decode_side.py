@@ -32,8 +32,7 @@ from flotilla.api.kvtransfer.v1 import kv_transfer_pb2_grpc
 from flotilla.engine.async_engine import EngineDeadError, Prefilled, RequestStream
 from flotilla.engine.errors import InvalidRequestError
 from flotilla.engine.new_request import NewRequest
-from flotilla.engine.remote_prefill import (KVReservation, quarantine, release, release_expired_quarantine,
-                                            try_reserve)  # fmt: skip
+from flotilla.engine.remote_prefill import KVReservation, quarantine, release, try_reserve
 from flotilla.engine.scheduler_output import TokenLogprobs
 from flotilla.observability.kv_transfer import KVTransferMetrics
 from flotilla.rpc.convert import new_request_from_proto
@@ -139,6 +138,7 @@ class DecodeSide:
         lease_s = handoff.settings.lease_s
         deadline = lease.deadline
         stub = handoff.peer_stub(prefill_address)
+        handoff.arrivals.open(transfer_id, reservation.dst_block_ids)  # before the peer learns the id
         request = kpb.RemotePrefillRequest(
             request=gen, transfer_id=transfer_id, decode_worker_address=self._self_address,
             decode_agent_name=handoff.transport.name, dst_block_ids=reservation.dst_block_ids,
@@ -156,6 +156,12 @@ class DecodeSide:
             await asyncio.wait_for(arrived, max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             raise HandoffFailed(f"{response.num_writes} writes did not all arrive within the lease") from None
+        problem = handoff.arrivals.check(transfer_id, response.prefill_agent_name)
+        if problem is not None:  # it wrote, or says it wrote, outside the blocks reserved for it
+            logger.error("refused the KV hand-off of %s from %s: %s", gen.request_id, prefill_address, problem)
+            handoff.counters.num_refused_handoffs += 1
+            lease.settled = False  # its word is worth nothing now: wait out the lease
+            raise HandoffFailed(f"a write notification failed its checks: {problem}")
         # Every layer's blocks are here: the hand-off is complete on this side.
         span.set_attribute("flotilla.kv_transfer.bytes", response.num_bytes)
         span.set_attribute("flotilla.kv_transfer.writes", response.num_writes)
@@ -179,19 +185,8 @@ class DecodeSide:
             fn = lambda llm: quarantine(llm, reservation, transfer_id, until)  # noqa: E731
             logger.info("quarantined the blocks of hand-off %s for %.1f s", reservation.request.request_id,
                         until - time.monotonic())  # fmt: skip
-            asyncio.get_running_loop().call_later(max(0.0, until - time.monotonic()), self._sweep_later)
         try:
             await asyncio.shield(handoff.engine.call(fn))
-        except EngineDeadError:
-            pass
-
-    def _sweep_later(self) -> None:
-        # The engine sweeps at every step too; this frees them on an idle worker.
-        asyncio.ensure_future(self._sweep())
-
-    async def _sweep(self) -> None:
-        try:
-            await self._handoff.engine.call(release_expired_quarantine)
         except EngineDeadError:
             pass
 

@@ -30,6 +30,7 @@ class HandoffCounters:
     num_failed: int = 0
     num_bytes_sent: int = 0
     num_local_fallbacks: int = 0
+    num_refused_handoffs: int = 0  # a write notification failed its checks (arrivals.py)
 
 
 @dataclass
@@ -56,7 +57,7 @@ class KVHandoff:
                     tls: InternalTLS | None = None) -> KVHandoff:
         pool = kv_pool_tensor(engine.engine.runner.kv_caches)
         transport = await asyncio.to_thread(NixlTransport, pool, f"{worker_id}-{uuid.uuid4().hex[:8]}")
-        arrivals = ArrivalTracker()
+        arrivals = ArrivalTracker(transport.local_info().layout.num_layers)
         transport.set_notif_handler(arrivals.on_notif)
         sender = KVSender(transport, engine.engine.config.block_size, settings.layerwise, settings.lease_s)
         await engine.call(lambda llm: setattr(llm.runner, "kv_hook", sender))

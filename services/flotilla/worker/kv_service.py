@@ -47,6 +47,8 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
         state.num_transfers_failed = counters.num_failed
         state.num_bytes_sent = counters.num_bytes_sent
         state.num_local_fallbacks = counters.num_local_fallbacks
+        state.num_refused_notifications = handoff.arrivals.num_refused
+        state.num_refused_handoffs = counters.num_refused_handoffs
         return state
 
 

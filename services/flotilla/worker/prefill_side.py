@@ -86,6 +86,7 @@ class PrefillSide:
         response = kpb.RemotePrefillResponse(
             first_token_id=first.new_token_ids[0], num_writes=target.num_writes, num_bytes=target.num_bytes,
             num_cached_prompt_tokens=first.num_cached_prompt_tokens, writes_settled=True,  # every write completed
+        prefill_agent_name=handoff.transport.name,
         )  # fmt: skip
         if first.logprobs:
             response.first_logprob.CopyFrom(logprobs_to_proto(first.new_token_ids[:1], first.logprobs[:1])[0])
