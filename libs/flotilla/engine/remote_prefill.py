@@ -206,11 +206,9 @@ def release(engine: LLMEngine, reservation: KVReservation) -> None:
 
 def quarantine(engine: LLMEngine, reservation: KVReservation, key: str, until: float) -> None:
     """A reservation that will not be admitted, while a peer's write into it may still land: its reserved
-    blocks stay held (never handed to another request) until `until` (time.monotonic()); LLMEngine.step and
-    `release_expired_quarantine` free them then. The request id may be used again at once (a local prefill)."""
+    blocks stay held (never handed to another request) until `until` (time.monotonic()); the engine frees
+    them then (LLMEngine.release_expired_quarantine, at every step and on an idle AsyncEngine). The request
+    id may be used again at once (a local prefill)."""
     engine.kv_cache_manager.quarantine(reservation.request, reservation.first_block_index, key, until)
     engine.reserved_request_ids.discard(reservation.request.request_id)
 
-
-def release_expired_quarantine(engine: LLMEngine) -> int:
-    return engine.kv_cache_manager.release_expired_quarantine(time.monotonic())
