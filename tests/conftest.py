@@ -53,6 +53,8 @@ UNIT_PATHS = (
     "gateway/test_tool_parsers.py",
     "kv_transfer/test_affinity_and_arrivals.py",
     "kv_transfer/test_cancel_safety.py",
+    "kv_transfer/test_quarantine.py",
+    "kv_transfer/test_write_checks.py",
     "launcher",
     "loadtest/test_workload.py",
     "models",

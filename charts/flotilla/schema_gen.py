@@ -157,7 +157,9 @@ SCHEMA = {
                 "issuerRef": {"type": "object", "additionalProperties": False, "properties": {
                     k: {"type": "string"} for k in ("name", "kind", "group")}},
                 "duration": {"type": "string", "pattern": GO_DURATION},
-                "renewBefore": {"type": "string", "pattern": GO_DURATION}}}}},
+                "renewBefore": {"type": "string", "pattern": GO_DURATION},
+                "workerIdentity": {"enum": ["pool", "release"],
+                                   "description": "one worker Certificate per pool, or one for the release"}}}}},
         "keys": {"type": "object", "additionalProperties": False, "properties": {
             "existingSecret": {"type": "string"}, "keysJson": {"type": "string"},
             "limits": {"type": "object", "properties": {"maxBodyBytes": {"type": "integer", "minimum": 1}}}}},

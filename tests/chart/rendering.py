@@ -50,7 +50,9 @@ def worker_deployments(docs) -> list[dict]:
     tls_secret = operator_env(docs).get("FLOTILLA_WORKER_TLS_SECRET", "")
     for pool in (doc for doc in docs if doc["kind"] == KIND):
         body = {"metadata": {**pool["metadata"], "namespace": NAMESPACE, "uid": "0000"}}
-        built.append(deployment(body, parse_spec(pool["spec"]), 1, pool["spec"]["routerAddress"], tls_secret))
+        spec = parse_spec(pool["spec"])
+        own = (spec.worker.tls_secret or tls_secret) if tls_secret else ""  # OperatorConfig.worker_tls_secret_of
+        built.append(deployment(body, spec, 1, pool["spec"]["routerAddress"], own))
     return built
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from flotilla.operator.config import OperatorConfig
 
-from tests.chart.rendering import needs_helm, operator_env, rendered_case, workloads
+from tests.chart.rendering import needs_helm, operator_env, rendered_case, worker_deployments, workloads
 
 pytestmark = needs_helm
 
@@ -51,8 +51,32 @@ def test_cert_manager_certificates_name_each_roles_identity():
     docs = rendered_case("default", "--set", "internalTLS.certManager.enabled=true",
                          "--set", "internalTLS.certManager.issuerRef.name=flotilla-ca")
     certificates = {doc["spec"]["secretName"]: doc["spec"] for doc in docs if doc["kind"] == "Certificate"}
-    assert set(certificates) == {f"flotilla-tls-{role}" for role in ("gateway", "router", "worker", "operator")}
+    pools = [doc["metadata"]["name"] for doc in docs if doc["kind"] == "FlotillaPool"]
+    assert set(certificates) == {f"flotilla-tls-{role}" for role in ("gateway", "router", "worker", "operator")} | {
+        f"{pool}-tls" for pool in pools}
     worker = certificates["flotilla-tls-worker"]
     assert worker["uris"] == ["spiffe://flotilla/worker/flotilla-worker"]
     assert worker["dnsNames"] == ["worker.flotilla.internal"]
     assert worker["issuerRef"]["name"] == "flotilla-ca" and "client auth" in worker["usages"]
+
+
+def test_cert_manager_gives_each_worker_pool_its_own_identity():
+    docs = rendered_case("disaggregated-gpu", "--set", "internalTLS.certManager.enabled=true",
+                         "--set", "internalTLS.certManager.issuerRef.name=flotilla-ca")
+    certificates = {doc["spec"]["secretName"]: doc["spec"] for doc in docs if doc["kind"] == "Certificate"}
+    pools = [doc for doc in docs if doc["kind"] == "FlotillaPool"]
+    assert len(pools) >= 2  # a prefill and a decode pool: two identities
+    for pool in pools:
+        name = pool["metadata"]["name"]
+        assert pool["spec"]["worker"]["tlsSecret"] == f"{name}-tls"
+        assert certificates[f"{name}-tls"]["uris"] == [f"spiffe://flotilla/worker/{name}"]
+        assert certificates[f"{name}-tls"]["dnsNames"] == ["worker.flotilla.internal"]  # what clients verify
+    mounted = {d["metadata"]["name"]: v["secret"]["secretName"] for d in worker_deployments(docs)
+               for v in d["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls"}
+    assert mounted == {f"{pool['metadata']['name']}-workers": f"{pool['metadata']['name']}-tls" for pool in pools}
+
+    shared = rendered_case("disaggregated-gpu", "--set", "internalTLS.certManager.enabled=true",
+                           "--set", "internalTLS.certManager.workerIdentity=release")
+    assert not any("tlsSecret" in doc["spec"]["worker"] for doc in shared if doc["kind"] == "FlotillaPool")
+    assert {v["secret"]["secretName"] for d in worker_deployments(shared)
+            for v in d["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls"} == {"flotilla-tls-worker"}

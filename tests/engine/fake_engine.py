@@ -95,3 +95,9 @@ class FakeEngine:
 
     def check_integrity(self) -> bool:
         return True
+
+    def release_expired_quarantine(self) -> int:
+        return 0  # holds no KV hand-offs
+
+    def next_quarantine_release(self) -> float | None:
+        return None

@@ -31,7 +31,7 @@ class EnginePair:
     def build(cls, prefill: LLMEngine, decode: LLMEngine, transport_cls: type[KVTransport], layerwise=True):
         sender_transport = transport_cls(kv_pool_tensor(prefill.runner.kv_caches))
         receiver = transport_cls(kv_pool_tensor(decode.runner.kv_caches))
-        arrivals = ArrivalTracker()
+        arrivals = ArrivalTracker(len(decode.runner.kv_caches))
         receiver.set_notif_handler(arrivals.on_notif)
         sender_transport.connect(receiver.local_info())
         sender = KVSender(sender_transport, prefill.config.block_size, layerwise=layerwise)
@@ -50,6 +50,7 @@ class EnginePair:
         if reservation is None:
             raise RuntimeError("decode side refused the reservation")
         transfer_id = f"t-{request_id}"
+        self.arrivals.open(transfer_id, reservation.dst_block_ids)
         target = RemoteTarget(transfer_id, self.receiver.name, reservation.dst_block_ids, reservation.first_block_index)
         self.sender.add_target(request_id, target)
         first_only = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)

@@ -38,24 +38,27 @@ def test_prefill_cap_counts_queued_tokens():
 
 def test_arrivals_complete_when_all_writes_landed_even_before_waiting():
     tracker = ArrivalTracker()
+    tracker.open("t1", [4, 5])
 
     async def scenario():
-        tracker.on_notif("peer", notif_message("t1", 0))  # lands before anyone waits
+        tracker.on_notif("peer", notif_message("t1", 0, [4, 5]))  # lands before anyone waits
         waiter = tracker.expect("t1", 3)
         for layer in (1, 2):
             assert not waiter.done()
-            tracker.on_notif("peer", notif_message("t1", layer))
+            tracker.on_notif("peer", notif_message("t1", layer, [4, 5]))
         await asyncio.wait_for(waiter, 5)
+        assert tracker.check("t1", "peer") is None
 
     asyncio.run(scenario())
 
 
 def test_late_notification_of_a_forgotten_transfer_is_dropped():
     tracker = ArrivalTracker()
-    tracker.on_notif("peer", notif_message("t2", 0))
+    tracker.open("t2", [1])
+    tracker.on_notif("peer", notif_message("t2", 0, [1]))
     tracker.forget("t2")
-    tracker.on_notif("peer", notif_message("t2", 1))
-    assert tracker.num_arrived("t2") == 0
+    tracker.on_notif("peer", notif_message("t2", 1, [1]))
+    assert tracker.num_arrived("t2") == 0 and tracker.num_refused == 1
 
 
 def test_affinity_limits_reject_bad_values():

@@ -55,3 +55,18 @@ def test_workers_carry_the_pools_release_label_and_serve_metrics():
     container = dep["spec"]["template"]["spec"]["containers"][0]
     assert container["args"][container["args"].index("--metrics-port") + 1] == "9091"
     assert {"name": "metrics", "containerPort": 9091, "protocol": "TCP"} in container["ports"]
+
+
+def test_a_pool_with_its_own_worker_certificate_mounts_it():
+    from flotilla.operator.config import OperatorConfig
+
+    own = parse_spec({**SPEC, "worker": {**SPEC["worker"], "tlsSecret": "decode-a-tls"}})
+    shared = parse_spec(SPEC)
+    config = OperatorConfig(tls_dir="/etc/flotilla/tls", worker_tls_secret="flotilla-tls-worker")
+    assert config.worker_tls_secret_of(own) == "decode-a-tls"
+    assert config.worker_tls_secret_of(shared) == "flotilla-tls-worker"
+    assert OperatorConfig(insecure_internal=True).worker_tls_secret_of(own) == ""  # plaintext fleet: ignored
+    body = {"metadata": {"name": "decode-a", "namespace": "ns1", "uid": "u1"}}
+    built = deployment(body, own, 1, "router:50050", config.worker_tls_secret_of(own))
+    volumes = built["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "tls", "secret": {"secretName": "decode-a-tls", "defaultMode": 0o440}} in volumes

@@ -111,6 +111,13 @@ internalTLS.enabled false, the --insecure-internal flag. */}}
 {{ index .root.Values.internalTLS.secrets .role | default (printf "%s-tls-%s" (include "flotilla.name" .root) .role) }}
 {{- end -}}
 
+{{- /* A pool's own worker certificate Secret (cert-manager, workerIdentity pool), or "" (the release's). */}}
+{{- define "flotilla.poolTlsSecret" -}}
+{{- with .root.Values.internalTLS }}{{ if and .enabled .certManager.enabled (eq .certManager.workerIdentity "pool") -}}
+{{ $.pool }}-tls
+{{- end }}{{ end }}
+{{- end -}}
+
 {{- define "flotilla.tlsDir" -}}/etc/flotilla/tls{{- end -}}
 
 {{- define "flotilla.tlsEnv" -}}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -253,6 +254,7 @@ class AsyncEngine:
         needs_check = False
         while True:
             commands, stopping = self._next_commands(engine)
+            engine.release_expired_quarantine()  # aborted hand-offs' blocks, on an idle engine too
             acks = [self._apply(engine, command) for command in commands]
             if commands:
                 # Snapshot before acking, so that a caller whose add or abort returned sees it in stats.
@@ -274,7 +276,10 @@ class AsyncEngine:
     def _next_commands(self, engine: LLMEngine) -> tuple[list[_Add | _Abort | _Call], bool]:
         with self._cond:
             while not self._commands and not self._stopping and not engine.has_unfinished_requests():
-                self._cond.wait()
+                release_at = engine.next_quarantine_release()  # an idle engine wakes to end a quarantine
+                if release_at is not None and release_at <= time.monotonic():
+                    break
+                self._cond.wait(None if release_at is None else release_at - time.monotonic())
             commands, self._commands = self._commands, []
             return commands, self._stopping
 

@@ -195,6 +195,7 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        self.release_expired_quarantine()
         scheduler_output = self.scheduler.schedule()
         self._num_preemptions += len(scheduler_output.preempted)
         if scheduler_output.is_empty and not scheduler_output.swap_out:
@@ -282,6 +283,14 @@ class LLMEngine:
             num_output_tokens_total=self._num_output_tokens_total,
             num_prompt_tokens_total=self._num_prompt_tokens_total,
         )
+
+    def release_expired_quarantine(self) -> int:
+        """Free the blocks of abandoned KV hand-offs whose quarantine ended (remote_prefill.quarantine)."""
+        return self.kv_cache_manager.release_expired_quarantine(time.monotonic())
+
+    def next_quarantine_release(self) -> float | None:
+        """time.monotonic() when the next quarantine ends; None without one."""
+        return self.kv_cache_manager.next_quarantine_release()
 
     def check_integrity(self, reserved_request_ids: Collection[str] | None = None) -> bool:
         """The KV invariants, including that every block table belongs to a live request: a scheduled one

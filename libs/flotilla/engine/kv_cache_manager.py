@@ -83,6 +83,9 @@ class KVCacheManager:
         # Copy-on-write sources whose reference we keep until the step's copies have run, so that no
         # allocation in the same step (a swap-in, say) can overwrite them before they are read.
         self._held_copy_sources: list[int] = []
+        # Blocks a peer may still be writing into (an aborted KV hand-off): key -> (release time, blocks).
+        # Held, so never handed to another request, until release_expired_quarantine passes that time.
+        self._quarantined: dict[str, tuple[float, list[int]]] = {}
         self.num_prefix_queries_tokens = 0
         self.num_prefix_hit_tokens = 0
 
@@ -98,6 +101,10 @@ class KVCacheManager:
     @property
     def num_free_host_blocks(self) -> int:
         return len(self._free_host_blocks)
+
+    @property
+    def num_quarantined_blocks(self) -> int:
+        return sum(len(blocks) for _, blocks in self._quarantined.values())
 
     @property
     def usage(self) -> float:
@@ -216,6 +223,31 @@ class KVCacheManager:
             self._free_host_blocks.extend(host_table)
         self._chains.pop(request.request_id, None)
 
+    # ---- quarantine (remote writes may be in flight) -----------------------------------------------
+    def quarantine(self, request: Request, num_head_blocks: int, key: str, until: float) -> None:
+        """Take the request's blocks from table index `num_head_blocks` on out of its table and hold them
+        under `key` until `until` (time.monotonic()); the head (its own prefix-cache hit, which no peer
+        writes into) is freed now. The request id is free for a new block table at once."""
+        if key in self._quarantined:
+            raise ValueError(f"quarantine key {key} is in use")
+        table = self._tables.pop(request.request_id, None) or []
+        self._chains.pop(request.request_id, None)
+        self.pool.free_blocks(table[:num_head_blocks])
+        self._quarantined[key] = (until, table[num_head_blocks:])
+
+    def release_expired_quarantine(self, now: float) -> int:
+        """Free the quarantined blocks whose time has come; returns how many blocks were freed."""
+        expired = [key for key, (until, _) in self._quarantined.items() if until <= now]
+        num_freed = 0
+        for key in expired:
+            _, blocks = self._quarantined.pop(key)
+            self.pool.free_blocks(blocks)
+            num_freed += len(blocks)
+        return num_freed
+
+    def next_quarantine_release(self) -> float | None:
+        return min((until for until, _ in self._quarantined.values()), default=None)
+
     # ---- swap preemption -----------------------------------------------------------------------
     def swap_out(self, request: Request) -> list[BlockCopy] | None:
         """Move the request's blocks to host slots: returns (device -> host) copies and frees the device
@@ -261,6 +293,11 @@ class KVCacheManager:
                 holders[block_id] += 1
         for block_id in self._held_copy_sources:
             holders[block_id] += 1
+        for key, (_, blocks) in self._quarantined.items():
+            for block_id in blocks:
+                holders[block_id] += 1
+                if self.pool.block_hash(block_id) is not None:
+                    problems.append(f"quarantine {key}: block {block_id} is published in the prefix cache")
         problems.extend(self.pool.integrity_problems(holders))
         problems.extend(self._host_problems())
         if problems:

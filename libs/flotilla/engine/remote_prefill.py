@@ -10,13 +10,18 @@ aborts the request and frees its blocks); nothing more is written for it.
 
 Decode side: `try_reserve` allocates the destination blocks of a request (after its own prefix-cache hit,
 whole blocks only, so no copy-on-write) without publishing them in the prefix cache, since their K/V have
-not arrived; `release` frees them; `LLMEngine.add_prefilled_request` admits the request once every write
-has arrived. All three run on the engine thread.
+not arrived; `release` frees them; `quarantine` holds them instead when the hand-off was abandoned while a
+peer's write into them may still be in flight, until its lease ended; `LLMEngine.add_prefilled_request`
+admits the request once every write has arrived. All of these run on the engine thread.
+
+Leases: a prefill worker posts no write for a target after its deadline (RemoteTarget.deadline, its own clock:
+the receipt of RemotePrefill + the lease, never later than the decode side's reservation + the lease).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -47,6 +52,14 @@ class RemoteTarget:
     num_writes: int = 0  # completed writes = notifications the decode side will see
     num_bytes: int = 0
     error: str | None = None
+    deadline: float = float("inf")  # time.monotonic(): no write is posted after it
+    # Writes whose wait gave up (timed out) but which NIXL may still carry out.
+    unsettled: list[WriteTicket] = field(default_factory=list)
+
+    @property
+    def writes_settled(self) -> bool:
+        """No write of this target can land any more (call between engine steps)."""
+        return all(ticket.done for ticket in self.unsettled)
 
 
 @dataclass
@@ -112,6 +125,9 @@ class KVSender:
     # ---- internals -------------------------------------------------------------------------------
     def _plan_chunk(self, target: RemoteTarget, block_ids: Sequence[int], end: int) -> _Planned | None:
         first, stop = target.next_block_index, _cdiv(end, self.block_size)
+        if time.monotonic() > target.deadline:
+            target.error = "the hand-off's lease ended"
+            return None
         if stop - target.first_block_index > len(target.dst_block_ids):
             target.error = f"prefill reached block {stop - 1}, beyond the {len(target.dst_block_ids)} reserved"
             return None
@@ -122,10 +138,13 @@ class KVSender:
 
     def _post(self, planned: _Planned, layer_index: int) -> None:
         target = planned.target
+        if time.monotonic() > target.deadline:  # the decode side may have quarantined and freed the blocks
+            target.error = "the hand-off's lease ended"
+            return
         try:
             ticket = self.transport.write_layer(
                 target.peer, layer_index, planned.src_block_ids, planned.dst_block_ids,
-                notif_message(target.transfer_id, layer_index),
+                notif_message(target.transfer_id, layer_index, planned.dst_block_ids),
             )  # fmt: skip
         except (KVTransferError, ValueError) as exc:
             target.error = str(exc)
@@ -138,6 +157,7 @@ class KVSender:
             wait_all(planned.tickets, self.write_timeout_s)
         except KVTransferError as exc:
             target.error = str(exc)
+            target.unsettled.extend(ticket for ticket in planned.tickets if not ticket.done)
             return
         if target.error is not None:
             return
@@ -182,3 +202,13 @@ def release(engine: LLMEngine, reservation: KVReservation) -> None:
     """Free a reservation that will not be admitted (abort, timeout, failed prefill)."""
     engine.kv_cache_manager.free(reservation.request)
     engine.reserved_request_ids.discard(reservation.request.request_id)
+
+
+def quarantine(engine: LLMEngine, reservation: KVReservation, key: str, until: float) -> None:
+    """A reservation that will not be admitted, while a peer's write into it may still land: its reserved
+    blocks stay held (never handed to another request) until `until` (time.monotonic()); the engine frees
+    them then (LLMEngine.release_expired_quarantine, at every step and on an idle AsyncEngine). The request
+    id may be used again at once (a local prefill)."""
+    engine.kv_cache_manager.quarantine(reservation.request, reservation.first_block_index, key, until)
+    engine.reserved_request_ids.discard(reservation.request.request_id)
+

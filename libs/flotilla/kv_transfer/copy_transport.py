@@ -63,16 +63,19 @@ class CopyTransport(KVTransport):
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            agent_name, layer, src, dst, notif, ticket = job
-            with _registry_lock:
-                peer = _registry.get(agent_name)
-            if peer is None or agent_name not in self._connected:
-                ticket.finish(f"peer {agent_name} is gone")
-                continue
-            src_ids = torch.tensor(src, dtype=torch.int64, device=self.pool.device)
-            dst_ids = torch.tensor(dst, dtype=torch.int64, device=peer.pool.device)
-            peer.pool[layer][:, dst_ids] = self.pool[layer][:, src_ids].to(peer.pool.device)
-            ticket.finish()
-            handler = peer._notif_handler
-            if handler is not None:
-                handler(self.name, notif)
+            self._carry_out(*job)
+
+    def _carry_out(self, agent_name: str, layer: int, src: list[int], dst: list[int], notif: bytes,
+                   ticket: WriteTicket) -> None:  # fmt: skip
+        with _registry_lock:
+            peer = _registry.get(agent_name)
+        if peer is None or agent_name not in self._connected:
+            ticket.finish(f"peer {agent_name} is gone")
+            return
+        src_ids = torch.tensor(src, dtype=torch.int64, device=self.pool.device)
+        dst_ids = torch.tensor(dst, dtype=torch.int64, device=peer.pool.device)
+        peer.pool[layer][:, dst_ids] = self.pool[layer][:, src_ids].to(peer.pool.device)
+        ticket.finish()
+        handler = peer._notif_handler
+        if handler is not None:
+            handler(self.name, notif)

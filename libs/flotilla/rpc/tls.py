@@ -48,27 +48,41 @@ class Identity:
 
 @dataclass(frozen=True)
 class InternalTLS:
-    """The CA that signs every service's certificate, and this service's own certificate and key (PEM)."""
+    """The CA (bundle) that signs every service's certificate, and this service's own certificate and key (PEM).
+    From a directory (`source`), servers and new channels follow its files as they are renewed (tls_reload.py)."""
 
     ca: bytes
     cert: bytes
     key: bytes = field(repr=False)  # never in a log line or a traceback's locals
+    source: str = field(default="", compare=False)  # the directory whose files are followed; "": fixed
 
     @classmethod
-    def from_dir(cls, directory: str | os.PathLike[str]) -> InternalTLS:
+    def from_dir(cls, directory: str | os.PathLike[str], reload: bool = True) -> InternalTLS:
         """ca.crt, tls.crt, tls.key: the layout of a cert-manager Secret, mounted as a directory."""
         directory = Path(directory)
         try:
-            return cls(*((directory / name).read_bytes() for name in (CA_FILE, CERT_FILE, KEY_FILE)))
+            files = [(directory / name).read_bytes() for name in (CA_FILE, CERT_FILE, KEY_FILE)]
         except OSError as error:
             raise ValueError(f"TLS directory {directory}: {error.strerror}: {error.filename}") from None
+        return cls(*files, source=str(directory.resolve()) if reload else "")
 
     def server_credentials(self) -> grpc.ServerCredentials:
+        if self.source:  # each new connection gets the files' current certificate and CA
+            from flotilla.rpc.tls_reload import certificate_files
+
+            files = certificate_files(self.source)
+            return grpc.dynamic_ssl_server_credentials(files.initial_configuration(), files.fetch,
+                                                       require_client_authentication=True)  # fmt: skip
         return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
                                            require_client_auth=True)  # fmt: skip
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(self.ca, self.key, self.cert)
+        tls = self
+        if self.source:  # a channel made now presents the certificate the files hold now
+            from flotilla.rpc.tls_reload import certificate_files
+
+            tls = certificate_files(self.source).current()
+        return grpc.ssl_channel_credentials(tls.ca, tls.key, tls.cert)
 
 
 def channel_target_options(tls: InternalTLS | None, server_role: str) -> list[tuple[str, str]]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from flotilla.operator.gaie import GatewayTarget
 from flotilla.operator.pod_policy import PodPolicy
+from flotilla.operator.pool_spec import PoolSpec
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,13 @@ class OperatorConfig:
             worker_tls_secret=os.environ.get("FLOTILLA_WORKER_TLS_SECRET", ""),
             insecure_internal=os.environ.get("FLOTILLA_INSECURE_INTERNAL", "").lower() in ("1", "true", "yes"),
         )
+
+    def worker_tls_secret_of(self, pool: PoolSpec) -> str:
+        """The Secret a pool's worker pods mount: its own (spec.worker.tlsSecret, one identity per pool) or the
+        default; "" (plaintext workers) when the operator runs insecure."""
+        if not self.worker_tls_secret:
+            return ""
+        return pool.worker.tls_secret or self.worker_tls_secret
 
     def router_tls(self):
         """The operator's InternalTLS for router calls; None for insecure_internal (warned). Exits when neither

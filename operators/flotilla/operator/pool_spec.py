@@ -35,6 +35,7 @@ class WorkerTemplate:
     port: int = 50051
     volumes: tuple[dict[str, Any], ...] = ()
     volume_mounts: tuple[dict[str, Any], ...] = ()
+    tls_secret: str = ""  # this pool's own worker certificate (its identity); "": the operator's default
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ def parse_spec(spec: dict[str, Any]) -> PoolSpec:
                 port=int(worker.get("port", 50051)),
                 volumes=tuple(worker.get("volumes", [])),
                 volume_mounts=tuple(worker.get("volumeMounts", [])),
+                tls_secret=str(worker.get("tlsSecret", "")),
             ),
             router_address=spec.get("routerAddress", ""),
             signals_window_s=float(scaling.get("signalsWindowSeconds", 60)),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import grpc
@@ -13,7 +14,7 @@ from flotilla.api.kvtransfer.v1 import kv_transfer_pb2 as kpb
 from flotilla.api.kvtransfer.v1 import kv_transfer_pb2_grpc
 from flotilla.engine.async_engine import AsyncEngine
 from flotilla.engine.model.kv_cache import kv_pool_tensor
-from flotilla.engine.remote_prefill import KVReservation, KVSender
+from flotilla.engine.remote_prefill import KVReservation, KVSender, RemoteTarget
 from flotilla.kv_transfer.arrivals import ArrivalTracker
 from flotilla.kv_transfer.layout import KVPoolLayout, PeerInfo
 from flotilla.kv_transfer.nixl_transport import NixlTransport
@@ -29,6 +30,7 @@ class HandoffCounters:
     num_failed: int = 0
     num_bytes_sent: int = 0
     num_local_fallbacks: int = 0
+    num_refused_handoffs: int = 0  # a write notification failed its checks (arrivals.py)
 
 
 @dataclass
@@ -42,6 +44,10 @@ class KVHandoff:
     incoming: dict[str, KVReservation] = field(default_factory=dict)  # decode side: transfer id -> reservation
     # Prefill side: transfer id in flight -> the identity of the decode worker that asked for it.
     outgoing: dict[str, str] = field(default_factory=dict)
+    # Prefill side, recently ended hand-offs: their targets (whether a write may still land, for a late
+    # AbortRemotePrefill) and the aborted ids (a RemotePrefill that arrives after its abort is refused).
+    finished: OrderedDict[str, RemoteTarget] = field(default_factory=OrderedDict)
+    aborted: OrderedDict[str, None] = field(default_factory=OrderedDict)
     tls: InternalTLS | None = None  # for channels to peers (workers)
     _channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)
     _peer_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
@@ -51,7 +57,7 @@ class KVHandoff:
                     tls: InternalTLS | None = None) -> KVHandoff:
         pool = kv_pool_tensor(engine.engine.runner.kv_caches)
         transport = await asyncio.to_thread(NixlTransport, pool, f"{worker_id}-{uuid.uuid4().hex[:8]}")
-        arrivals = ArrivalTracker()
+        arrivals = ArrivalTracker(transport.local_info().layout.num_layers)
         transport.set_notif_handler(arrivals.on_notif)
         sender = KVSender(transport, engine.engine.config.block_size, settings.layerwise, settings.lease_s)
         await engine.call(lambda llm: setattr(llm.runner, "kv_hook", sender))
@@ -98,6 +104,16 @@ class KVHandoff:
             if info.model_version != self.engine.engine.model_version:
                 raise ValueError(f"{address} serves model version {info.model_version}")
             await asyncio.to_thread(self.transport.connect, _peer_info(info))
+
+
+MAX_REMEMBERED = 4096  # recently ended / aborted hand-offs kept per kind
+
+
+def remember(entries: OrderedDict, key: str, value=None) -> None:
+    entries[key] = value
+    entries.move_to_end(key)
+    while len(entries) > MAX_REMEMBERED:
+        entries.popitem(last=False)
 
 
 def _peer_info(info: kpb.TransferInfo) -> PeerInfo:

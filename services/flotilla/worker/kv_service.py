@@ -47,6 +47,8 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
         state.num_transfers_failed = counters.num_failed
         state.num_bytes_sent = counters.num_bytes_sent
         state.num_local_fallbacks = counters.num_local_fallbacks
+        state.num_refused_notifications = handoff.arrivals.num_refused
+        state.num_refused_handoffs = counters.num_refused_handoffs
         return state
 
 
@@ -62,6 +64,7 @@ def kv_state(engine: LLMEngine, reserved_request_ids: list[str]) -> kpb.KVState:
         num_free_blocks=kv.num_free_blocks,
         num_total_blocks=kv.num_blocks,
         num_reserved_blocks=sum(len(kv.block_ids(request_id)) for request_id in reserved_request_ids),
+        num_quarantined_blocks=kv.num_quarantined_blocks,
         num_running=engine.scheduler.num_running,
         num_waiting=engine.scheduler.num_waiting,
     )
