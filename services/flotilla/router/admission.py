@@ -157,11 +157,20 @@ class Admission:
     def estimated_wait_s(self, name: str, ticket: Ticket | None = None) -> float | None:
         """Tokens ahead (router queue + prompts not yet computed on the workers) / measured throughput;
         None while the fleet's throughput is unmeasured."""
-        self._observe_throughput()
         queues = self._queues.get(name)
+        return self._wait_behind(name, queues.tokens_ahead(ticket or Ticket()) if queues else 0)
+
+    def backlog_wait_s(self, name: str, priority: int = pb.PRIORITY_CLASS_INTERACTIVE) -> float | None:
+        """The wait behind everything queued in this class and those served before it, every tenant's: an upper
+        bound of any new request's estimated_wait_s in the class (fair queueing puts at most that ahead)."""
+        queues = self._queues.get(name)
+        classes = CLASS_ORDER[: CLASS_ORDER.index(priority) + 1]
+        return self._wait_behind(name, sum(queues.classes[c].num_tokens for c in classes) if queues else 0)
+
+    def _wait_behind(self, name: str, num_queued_tokens: int) -> float | None:
+        self._observe_throughput()
         workers = [e for e in self._registry.workers() if e.model_name == name and self._registry.is_healthy(e)]
-        ahead = (queues.tokens_ahead(ticket or Ticket()) if queues else 0) + sum(
-            self._registry.load_of(e).num_queued_tokens for e in workers)
+        ahead = num_queued_tokens + sum(self._registry.load_of(e).num_queued_tokens for e in workers)
         return estimated_wait_s(ahead, self.throughput.tokens_per_s(e.worker_id for e in workers))
 
     async def acquire(self, requested: str, num_prompt_tokens: int, deadline_unix_s: float = 0.0,
