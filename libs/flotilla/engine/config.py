@@ -11,7 +11,7 @@ import torch
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB: ~260k tokens of the tiny model
 GPU_KV_MEMORY_FRACTION = 0.85  # of the memory left free once the weights are loaded
 # The batch bound's default target TPOT (--target-tpot-ms auto). On a CPU, the tiny test model's step takes
-# ~12 ms with 1 sequence, ~31 ms with 32 and ~46 ms with 64 (one core, docs/performance.md): 40 ms keeps
+# ~9 ms with 1 sequence, ~28 ms with 32 and ~48 ms with 64 (one core, docs/performance.md): 40 ms keeps
 # ~48 sequences per step on an idle core and fewer when the machine is busy.
 DEFAULT_TARGET_TPOT_S = {"cuda": 0.050, "cpu": 0.040}
 
