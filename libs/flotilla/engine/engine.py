@@ -284,6 +284,7 @@ class LLMEngine:
             last_step_seconds=self._last_step_seconds,
             num_output_tokens_total=self._num_output_tokens_total,
             num_prompt_tokens_total=self._num_prompt_tokens_total,
+            seq_limit=scheduler.seq_limit,
         )
 
     def check_integrity(self, reserved_request_ids: Collection[str] | None = None) -> bool:
