@@ -64,6 +64,14 @@ def test_anthropic_streams_say_it_too(degrading):
     assert '"stop_reason":"max_tokens"' in body.replace(" ", "") and '"output_tokens":3' in body.replace(" ", "")
 
 
+def test_batch_class_requests_are_never_cut_short(degrading):
+    _overloaded(degrading, 3.0)
+    free = openai.OpenAI(base_url=f"{degrading.base_url}/v1", api_key=degrading.free_key, max_retries=0,
+                         default_headers={"x-flotilla-priority": "batch"})
+    raw = free.completions.with_raw_response.create(model="tiny", prompt="hello", max_tokens=50)
+    assert "x-flotilla-degraded" not in raw.headers and raw.parse().usage.completion_tokens == 6
+
+
 def test_below_the_onset_or_without_a_signal_nothing_is_degraded(degrading):
     free = openai.OpenAI(base_url=f"{degrading.base_url}/v1", api_key=degrading.free_key, max_retries=0)
     for wait_s in (0.5, None):

@@ -90,7 +90,8 @@ async def admit(request: Request, gatekeeper: Gatekeeper | None, policy: Admissi
 def _degradation(request: Request, policy: AdmissionPolicy, principal: Principal, model: str,
                  num_prompt_tokens: int, max_tokens: int) -> Degradation | None:
     ctx = request.app.state.gateway
-    if not model or ctx.queue_load is None or principal.tier != "free":
+    # Batch-class requests (a batch job's items too) wait or are shed, never cut short: their output is the job's.
+    if not model or ctx.queue_load is None or principal.tier != "free" or principal.priority_class != "interactive":
         return None
     degradation = plan(ctx.settings.degradation, policy, principal.tier, ctx.queue_load.wait_s(model),
                        num_prompt_tokens, max_tokens, principal.limits)

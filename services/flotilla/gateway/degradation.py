@@ -1,5 +1,5 @@
-"""Degradation before refusal: while the router's queue grows, free-tier requests get less before any is
-refused.
+"""Degradation before refusal: while the router's queue grows, free-tier interactive requests get less before any
+is refused (batch-class ones wait or are shed instead: a batch job's output must be what it asked for).
 
 The signal is the router's estimated queue wait for a new interactive request (queue_load.py polls it).
 From `onset_s` on, a free-tier request's `max_tokens` is capped at `free_max_tokens` and its tenant's
