@@ -70,7 +70,8 @@ async def admit(request: Request, gatekeeper: Gatekeeper | None, policy: Admissi
     if degradation is not None:
         max_tokens, limits = degradation.max_tokens, degradation.limits
         ticket = replace(ticket, max_tokens_cap=degradation.max_tokens)
-        request.scope[RESPONSE_HEADERS_SCOPE_KEY] = [_degraded_header(degradation)]
+        request.scope[RESPONSE_HEADERS_SCOPE_KEY] = [*request.scope.get(RESPONSE_HEADERS_SCOPE_KEY, ()),
+                                                     _degraded_header(degradation)]
     if gatekeeper is None:
         return Admitted(ticket, None, None, num_prompt_tokens)
     try:
@@ -90,11 +91,14 @@ async def admit(request: Request, gatekeeper: Gatekeeper | None, policy: Admissi
 def _degradation(request: Request, policy: AdmissionPolicy, principal: Principal, model: str,
                  num_prompt_tokens: int, max_tokens: int) -> Degradation | None:
     ctx = request.app.state.gateway
-    # Batch-class requests (a batch job's items too) wait or are shed, never cut short: their output is the job's.
-    if not model or ctx.queue_load is None or principal.tier != "free" or principal.priority_class != "interactive":
+    if not model or ctx.queue_load is None:
         return None
-    degradation = plan(ctx.settings.degradation, policy, principal.tier, ctx.queue_load.wait_s(model),
-                       num_prompt_tokens, max_tokens, principal.limits)
+    wait_s = ctx.queue_load.wait_s(model)  # read for every request: it keeps the model polled
+    # Batch-class requests (a batch job's items too) wait or are shed, never cut short: their output is the job's.
+    if principal.priority_class != "interactive":
+        return None
+    degradation = plan(ctx.settings.degradation, policy, principal.tier, wait_s, num_prompt_tokens, max_tokens,
+                       principal.limits)
     if degradation is not None:
         ctx.metrics.degraded_requests.labels(model, "max_tokens" if degradation.max_tokens < max_tokens
                                              else "quota").inc()
