@@ -90,8 +90,8 @@ async def admit(request: Request, gatekeeper: Gatekeeper | None, policy: Admissi
 
 def _degradation(request: Request, policy: AdmissionPolicy, principal: Principal, model: str,
                  num_prompt_tokens: int, max_tokens: int) -> Degradation | None:
-    ctx = request.app.state.gateway
-    if not model or ctx.queue_load is None:
+    ctx = request.app.state.gateway if model else None
+    if ctx is None or ctx.queue_load is None:
         return None
     wait_s = ctx.queue_load.wait_s(model)  # read for every request: it keeps the model polled
     # Batch-class requests (a batch job's items too) wait or are shed, never cut short: their output is the job's.
