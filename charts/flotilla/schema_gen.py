@@ -88,13 +88,24 @@ POOL_OVERRIDE = {"type": "object", "additionalProperties": False, "properties": 
     **{k: ROLE["properties"][k] for k in ("enabled", "replicas", "image", "resources", "podDisruptionBudget",
                                           "extraEnv", "extraArgs", "targetTpotMs")},
     "autoscaling": {k: v for k, v in AUTOSCALING.items() if k != "required"}}}
+LONG_CONTEXT_KEYS = {
+    **{k: ROLE["properties"][k] for k in ("enabled", "replicas", "image", "resources", "podDisruptionBudget",
+                                          "extraEnv", "extraArgs")},
+    "thresholdTokens": {"type": "integer", "minimum": 1},
+    "maxNumBatchedTokens": {"type": "integer", "minimum": 1},
+    "kvCacheMemoryBytes": {"type": "integer", "minimum": 0, "description": "0: the device default"},
+    "maxModelLen": {"type": "integer", "minimum": 0, "description": "0: the checkpoint's context window"},
+}
+LONG_CONTEXT = {"type": "object", "additionalProperties": False, "properties": LONG_CONTEXT_KEYS,
+                "required": ["enabled", "replicas", "thresholdTokens", "maxNumBatchedTokens", "image"]}
+LONG_CONTEXT_OVERRIDE = {"type": "object", "additionalProperties": False, "properties": LONG_CONTEXT_KEYS}
 MODEL = {"type": "object", "required": ["name", "checkpoint"], "additionalProperties": False,
          "properties": {"name": {"type": "string", "minLength": 1},
                         "checkpoint": {"type": "string", "minLength": 1},
                         "pool": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]{0,28}[a-z0-9])?$",
                                  "description": "slug in the pool names (default: the name as a DNS label)"},
                         "volume": {"type": "object"}, "mountPath": {"type": "string"},
-                        "prefill": POOL_OVERRIDE, "decode": POOL_OVERRIDE}}
+                        "prefill": POOL_OVERRIDE, "decode": POOL_OVERRIDE, "longContext": LONG_CONTEXT_OVERRIDE}}
 SCHEMA = {
     "$schema": "http://json-schema.org/draft-07/schema#",
     "type": "object",
@@ -104,6 +115,7 @@ SCHEMA = {
         "models": {"type": "array", "minItems": 1, "items": MODEL},
         "imagePullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]},
         **{role: ROLE for role in ("gateway", "router", "prefill", "decode", "operator")},
+        "longContext": LONG_CONTEXT,
         "ingress": {"type": "object", "additionalProperties": False, "properties": {
             "enabled": {"type": "boolean"}, "className": {"type": "string"},
             "annotations": {"type": "object", "additionalProperties": {"type": "string"}},

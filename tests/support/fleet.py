@@ -193,7 +193,8 @@ def start_fleet(config: FleetConfig, keys: dict[str, tuple[str, str]] | None = N
         fleet.gateways.append(fleet.fleet.gateway)
         for args in gateways:
             fleet.add_gateway(*args)
-        num_workers = config.num_workers + config.num_prefill_workers + config.num_decode_workers
+        num_workers = (config.num_workers + config.num_prefill_workers + config.num_decode_workers
+                       + config.num_long_context_workers)
         wait_until(lambda: fleet.num_healthy_workers() >= num_workers, READY_TIMEOUT_S,
                    f"{num_workers} workers registered", interval_s=0.05)
     except BaseException:

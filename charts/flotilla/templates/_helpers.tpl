@@ -66,9 +66,11 @@ securityContext:
 {{- end -}}
 
 {{/* Every worker pool the release runs, as YAML `{pools: [...]}` (read back with fromYaml): for each entry of
-.Values.models, a decode pool and, when that model's prefill block is enabled, a prefill pool. A model's own
-`prefill`/`decode` keys override the chart-wide blocks of the same name (deep merge; lists are replaced). Pool
-names are <release>-<model slug>-<role>; the slug is the model's `pool` key, else its name made a DNS label. */}}
+.Values.models, a decode pool, when that model's prefill block is enabled a prefill pool, and when its longContext
+block is enabled a long-context pool (role both, named <release>-<slug>-long, with its threshold for the router).
+A model's own `prefill`/`decode`/`longContext` keys override the chart-wide blocks of the same name (deep merge;
+lists are replaced). Pool names are <release>-<model slug>-<role>; the slug is the model's `pool` key, else its
+name made a DNS label. Each pool carries its workers' extra flags as `args`. */}}
 {{- define "flotilla.pools" -}}
 {{- $pools := list }}
 {{- $slugs := dict }}
@@ -83,9 +85,25 @@ names are <release>-<model slug>-<role>; the slug is the model's `pool` key, els
 {{- $name := printf "%s-%s-%s" (include "flotilla.name" $) $slug $role }}
 {{- /* the operator names the pool's Deployment and Service <pool>-workers: a DNS label, at most 63 */}}
 {{- if gt (len $name) 55 }}{{ fail (printf "pool name %q is longer than 55 characters: shorten the release name or give model %q a shorter `pool` key" $name $model.name) }}{{ end }}
-{{- $pools = append $pools (dict "name" $name "slug" $slug "role" $role
-      "disaggregated" $prefill.enabled "model" $model "block" $block) }}
+{{- $args := $block.extraArgs | default list }}
+{{- /* the batch bound: prefill workers' steps carry no decode tokens */}}
+{{- if and (hasKey $block "targetTpotMs") (ne $role "prefill") }}
+{{- $args = prepend $args (printf "--target-tpot-ms=%v" $block.targetTpotMs) }}
 {{- end }}
+{{- $pools = append $pools (dict "name" $name "slug" $slug "role" $role
+      "disaggregated" $prefill.enabled "model" $model "block" $block "args" $args) }}
+{{- end }}
+{{- end }}
+{{- $long := mergeOverwrite (deepCopy ($.Values.longContext | default dict)) (deepCopy ($model.longContext | default dict)) }}
+{{- if $long.enabled }}
+{{- $name := printf "%s-%s-long" (include "flotilla.name" $) $slug }}
+{{- if gt (len $name) 55 }}{{ fail (printf "pool name %q is longer than 55 characters: shorten the release name or give model %q a shorter `pool` key" $name $model.name) }}{{ end }}
+{{- $args := list "--pool" "long-context" "--max-num-batched-tokens" (toString (int $long.maxNumBatchedTokens)) }}
+{{- if $long.kvCacheMemoryBytes }}{{ $args = concat $args (list "--kv-cache-memory-bytes" (toString (int64 $long.kvCacheMemoryBytes))) }}{{ end }}
+{{- if $long.maxModelLen }}{{ $args = concat $args (list "--max-model-len" (toString (int $long.maxModelLen))) }}{{ end }}
+{{- $pools = append $pools (dict "name" $name "slug" $slug "role" "long-context" "disaggregated" false
+      "model" $model "block" $long "args" (concat $args ($long.extraArgs | default list))
+      "threshold" (int $long.thresholdTokens)) }}
 {{- end }}
 {{- end }}
 {{- toYaml (dict "pools" $pools) }}

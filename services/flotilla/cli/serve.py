@@ -51,6 +51,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "first and last tokens at once")
     worker.add_argument("--shutdown-grace-s", type=float, default=5.0,
                         help="SIGTERM: running streams may finish this long, then they move to another worker")
+    worker.add_argument("--pool", choices=("default", "long-context"), default="default",
+                        help="the pool it registers in: long-context takes the prompts over the router's "
+                             "--long-context-threshold (size its KV budget and --max-num-batched-tokens for them)")
     worker.add_argument("--role", choices=("both", "prefill", "decode"), default="both",
                         help="both: colocated; prefill/decode: one side of disaggregated serving (KV over NIXL)")
     worker.add_argument("--min-remote-prefill-tokens", type=int, default=32,
@@ -108,6 +111,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     router.add_argument("--batch-min-free-kv-fraction", type=float, default=0.1,
                         help="batch-class requests go only to workers with at least this share of KV blocks free "
                              "(0: off)")
+    router.add_argument("--long-context-threshold", action="append", default=[], metavar="[MODEL=]TOKENS",
+                        help="prompts over TOKENS go to the model's long-context pool (workers started with --pool "
+                             "long-context); a bare TOKENS is the default for every model not named; repeatable "
+                             "(default: no threshold, no long prompts)")
     batch = router.add_argument_group("fixed-batch models (workers started with --backend fixed-batch)")
     batch.add_argument("--batch-latency-budget-ms", type=float, default=500.0,
                        help="p95 end-to-end budget; the flush wait T defaults to budget - 2 L")
@@ -184,6 +191,7 @@ def run_worker(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_port_file=args.metrics_port_file,
         output_check=CheckSettings(args.output_check_interval_s, args.output_check_busy_interval_s),
+        pool="" if args.pool == "default" else args.pool,
         disagg=DisaggSettings(args.role, args.min_remote_prefill_tokens, args.kv_lease_s,
                               layerwise=not args.kv_write_after_prefill),
         tls=tls,
@@ -236,7 +244,8 @@ def run_router(args: argparse.Namespace) -> int:
         max_queue_wait_s=args.max_queue_wait_s,
         cold_start_wait_s=args.cold_start_wait_s,
         limits=PlacementLimits(args.max_queued_tokens_per_worker, args.max_requests_per_worker,
-                               args.idle_tenant_extra_slots, args.batch_min_free_kv_fraction),
+                               args.idle_tenant_extra_slots, args.batch_min_free_kv_fraction,
+                               _context_thresholds(args.long_context_threshold)),
         batch=BatchSettings(args.batch_latency_budget_ms, args.batch_max_wait_ms, args.batch_max_attempts,
                             args.batch_call_timeout_s, args.batch_max_queue_depth, args.max_queue_wait_s),
         metrics_port=args.metrics_port,
@@ -258,6 +267,15 @@ def _auto_rollback_rule(args: argparse.Namespace):
                                 args.auto_rollback_window_s, args.auto_rollback_min_requests)
     except ValueError as err:
         raise SystemExit(f"flotilla router: {err}") from None
+
+
+def _context_thresholds(items: list[str]):
+    from flotilla.router.context_pools import ContextThresholds
+
+    try:
+        return ContextThresholds.parse(items)
+    except ValueError as err:
+        raise SystemExit(f"flotilla router: --long-context-threshold: {err}") from None
 
 
 def parse_aliases(items: list[str]) -> dict[str, str]:

@@ -32,6 +32,10 @@ DEFAULTS: dict[str, Any] = {
     "worker_args": [],
     "prefill": 0,  # > 0 with decode > 0: disaggregated (prefill and decode workers instead of role both)
     "decode": 0,
+    # Long-context pool: workers of their own for prompts over the threshold (router/context_pools.py).
+    "long_context_workers": 0,
+    "long_context_threshold": 4096,  # prompt tokens; applies while long_context_workers > 0
+    "long_context_worker_args": [],  # e.g. its KV budget and --max-num-batched-tokens
     "router_args": [],
     "gateway_args": [],
     # --autoscale: the local supervisor runs the autoscaler's control law against worker processes.
@@ -73,6 +77,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--worker-arg", action="append", dest="worker_args", help="extra `flotilla worker` flag")
     up.add_argument("--prefill", type=int, help="disaggregated: number of prefill workers (needs --decode)")
     up.add_argument("--decode", type=int, help="disaggregated: number of decode workers (KV arrives over NIXL)")
+    up.add_argument("--long-context-workers", type=int,
+                    help="workers of the long-context pool: prompts over --long-context-threshold go there only")
+    up.add_argument("--long-context-threshold", type=int,
+                    help="prompt tokens above which a request is long (default 4096)")
+    up.add_argument("--long-context-worker-arg", action="append", dest="long_context_worker_args",
+                    help="extra `flotilla worker` flag for the long-context workers only (e.g. their KV budget)")
     up.add_argument("--autoscale", action="store_true", default=None,
                     help="scale workers with load (min..max active, plus warm ones loaded out of rotation)")
     up.add_argument("--min-workers", type=int, help="--autoscale: fewest active workers (default 1)")
@@ -110,6 +120,13 @@ def resolve_settings(args: argparse.Namespace, environ: dict[str, str] | None = 
         raise SystemExit("--prefill needs --decode >= 1 (a prefill worker only hands KV to decode workers)")
     if settings["decode"]:
         settings["workers"] = 0  # disaggregated: no colocated workers
+    settings["long_context_workers"] = int(settings["long_context_workers"])
+    settings["long_context_threshold"] = int(settings["long_context_threshold"])
+    if settings["long_context_workers"] < 0 or settings["long_context_threshold"] < 1:
+        raise SystemExit("--long-context-workers must be >= 0 and --long-context-threshold >= 1")
+    if settings["long_context_workers"] and str(settings["autoscale"]).lower() in ("1", "true", "yes"):
+        # The local autoscaler sizes one pool per model; the long-context pool would count in its replicas.
+        raise SystemExit("--long-context-workers cannot be combined with --autoscale yet")
     settings["autoscale"] = str(settings["autoscale"]).lower() in ("1", "true", "yes")
     settings["insecure_internal"] = str(settings["insecure_internal"]).lower() in ("1", "true", "yes")
     return settings
@@ -149,6 +166,9 @@ def run_up(args: argparse.Namespace) -> int:
             num_workers=max(1, settings["min_workers"]) if autoscale else settings["workers"],
             num_prefill_workers=settings["prefill"],
             num_decode_workers=settings["decode"],
+            num_long_context_workers=settings["long_context_workers"],
+            long_context_worker_args=[str(a) for a in settings["long_context_worker_args"]],
+            long_context_threshold=settings["long_context_threshold"] if settings["long_context_workers"] else 0,
             autoscale=autoscale,
             keys_file=keys_file,
             redis_url=settings["redis_url"],

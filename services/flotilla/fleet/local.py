@@ -34,6 +34,11 @@ class FleetConfig:
     # Disaggregated serving: workers with role prefill / decode (KV over NIXL), in addition to num_workers.
     num_prefill_workers: int = 0
     num_decode_workers: int = 0
+    # Long-context pool (router/context_pools.py): workers started with --pool long-context and these flags (their
+    # own KV budget and --max-num-batched-tokens), and the router's threshold for the model (0: the router's own).
+    num_long_context_workers: int = 0
+    long_context_worker_args: list[str] = field(default_factory=list)
+    long_context_threshold: int = 0
     keys_file: Path | None = None  # None: no authentication
     redis_url: str | None = None  # keys and quotas in Redis instead of keys_file (FLOTILLA_REDIS_URL)
     worker_args: list[str] = field(default_factory=list)  # extra `flotilla worker` flags
@@ -79,6 +84,9 @@ class LocalFleet:
             for role, count in (("prefill", self.config.num_prefill_workers), ("decode", self.config.num_decode_workers)):
                 for _ in range(count):
                     self.start_worker(wait=False, extra_args=["--role", role])
+            for _ in range(self.config.num_long_context_workers):
+                self.start_worker(wait=False, extra_args=["--pool", "long-context",
+                                                          *self.config.long_context_worker_args])
             for worker in self.workers:
                 worker.wait_port(timeout_s)
             self._start_gateway(timeout_s)
@@ -96,8 +104,11 @@ class LocalFleet:
                               dict(self.config.env), keep_port=keep_port)
 
     def _start_router(self, timeout_s: float) -> None:
+        threshold = self.config.long_context_threshold
         args = ["router", "--host", self.config.host, "--model", self.model_name, *self._metrics_args("router"),
-                *self.certs.args("router", "router"), *self.config.router_args]
+                *self.certs.args("router", "router"),
+                *(["--long-context-threshold", f"{self.model_name}={threshold}"] if threshold else []),
+                *self.config.router_args]
         self.router = self._service("router", args, keep_port=True)  # workers and gateways dial this address
         self.router.start()
         self.router_address = f"{self.config.host}:{self.router.wait_port(timeout_s)}"

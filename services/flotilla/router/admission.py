@@ -9,6 +9,10 @@ beyond it, OVERLOADED at once with a retry_after_s from the drain rate. A reques
 or `max_queue_wait_s`, then fails UNAVAILABLE (no healthy worker serves its model) or OVERLOADED (all
 busy); a full class queue (bounded depth) answers OVERLOADED at once.
 
+Long-context pool (context_pools.py): a prompt over its model's threshold waits in a lane of its own while
+the model has long-context workers, so a long request waiting for that pool holds up no short one; short
+requests use a long-context worker only while no long request waits or runs there.
+
 Cold start: a request for a known model with no active replica (its pool scaling from zero) waits up to its
 deadline or `cold_start_wait_s`, then fails MODEL_STARTING ("model is starting", retry after a few seconds).
 """
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from flotilla.api.common.v1 import common_pb2 as pb
+from flotilla.router.context_pools import DEFAULT_POOL, LONG_CONTEXT_POOL, PoolRequest
 from flotilla.router.fair_queue import FairQueue
 from flotilla.router.model_routes import ModelRoutes
 from flotilla.router.models import ModelNotFoundError, Resolution, resolve_model
@@ -69,6 +74,7 @@ class Ticket(NamedTuple):
 class Placement:
     worker: WorkerEntry
     resolution: Resolution
+    long_context: bool = False  # a long prompt: release the worker with the same flag (registry.release)
 
 
 @dataclass(eq=False)
@@ -128,6 +134,7 @@ class Admission:
         self._cold_start_wait_s = max_queue_wait_s if cold_start_wait_s is None else cold_start_wait_s
         self._wall_clock = wall_clock
         self._queues: dict[str, _ModelQueues] = {}
+        self._long_queues: dict[str, _ModelQueues] = {}  # the long-context lane: prompts for that pool
         self.throughput = ThroughputMeter()
 
     def resolve(self, requested: str, affinity_key: str = "") -> Resolution:
@@ -144,28 +151,36 @@ class Admission:
             raise RouterError(pb.ERROR_CODE_MODEL_NOT_FOUND, str(exc), "model") from None
 
     def queue_depth(self, name: str, priority: int | None = None) -> int:
-        queues = self._queues.get(name)
-        if queues is None:
-            return 0
-        return sum(len(q) for c, q in queues.classes.items() if priority is None or c == priority)
+        return sum(len(q) for queues in self._lanes(name) for c, q in queues.classes.items()
+                   if priority is None or c == priority)
+
+    def queue_depth_by_pool(self) -> dict[tuple[str, str], int]:
+        """(model, pool the waiters are for) -> requests waiting: default and long-context lanes."""
+        depths = {}
+        for pool, lanes in ((DEFAULT_POOL, self._queues), (LONG_CONTEXT_POOL, self._long_queues)):
+            for name, queues in lanes.items():
+                depths[(name, pool)] = sum(1 for w in queues.waiters() if not w.future.done())
+        return depths
+
+    def _lanes(self, name: str) -> list[_ModelQueues]:
+        return [lanes[name] for lanes in (self._queues, self._long_queues) if name in lanes]
 
     def queued_tokens(self, name: str) -> int:
         """Prompt tokens waiting in this model's queue (autoscaler signal)."""
-        queues = self._queues.get(name)
-        return sum(w.num_prompt_tokens for w in queues.waiters() if not w.future.done()) if queues else 0
+        return sum(w.num_prompt_tokens for queues in self._lanes(name) for w in queues.waiters()
+                   if not w.future.done())
 
-    def estimated_wait_s(self, name: str, ticket: Ticket | None = None) -> float | None:
+    def estimated_wait_s(self, name: str, ticket: Ticket | None = None, long_lane: bool = False) -> float | None:
         """Tokens ahead (router queue + prompts not yet computed on the workers) / measured throughput;
-        None while the fleet's throughput is unmeasured."""
-        queues = self._queues.get(name)
+        None while the fleet's throughput is unmeasured. `long_lane`: the ticket waits in the long-context lane."""
+        queues = (self._long_queues if long_lane else self._queues).get(name)
         return self._wait_behind(name, queues.tokens_ahead(ticket or Ticket()) if queues else 0)
 
     def backlog_wait_s(self, name: str, priority: int = pb.PRIORITY_CLASS_INTERACTIVE) -> float | None:
-        """The wait behind everything queued in this class and those served before it, every tenant's: an upper
-        bound of any new request's estimated_wait_s in the class (fair queueing puts at most that ahead)."""
-        queues = self._queues.get(name)
+        """The wait behind everything queued (both lanes) in this class and those served before it, every tenant's:
+        an upper bound of any new request's estimated_wait_s in the class (fair queueing puts at most that ahead)."""
         classes = CLASS_ORDER[: CLASS_ORDER.index(priority) + 1]
-        return self._wait_behind(name, sum(queues.classes[c].num_tokens for c in classes) if queues else 0)
+        return self._wait_behind(name, sum(q.classes[c].num_tokens for q in self._lanes(name) for c in classes))
 
     def _wait_behind(self, name: str, num_queued_tokens: int) -> float | None:
         self._observe_throughput()
@@ -179,7 +194,8 @@ class Admission:
         request was lost on, used only while no other healthy worker serves its model version."""
         ticket = ticket or Ticket(num_tokens=num_prompt_tokens)
         resolution = self.resolve(requested, ticket.affinity_key)
-        queues = self._queues.setdefault(resolution.name, _ModelQueues())
+        long_lane = self._in_long_lane(resolution.name, num_prompt_tokens)
+        queues = (self._long_queues if long_lane else self._queues).setdefault(resolution.name, _ModelQueues())
         idle = self._is_idle(resolution.name, ticket.tenant)
         # A tenant with nothing in flight starts at once (within the extra slots) even past its own class's
         # queue, never past a class served before its own.
@@ -188,11 +204,11 @@ class Admission:
                                         ticket.priority)
             if placement is not None:
                 return placement
-        self._check_wait_budget(resolution.name, ticket)
+        self._check_wait_budget(resolution.name, ticket, long_lane)
         queue = queues.classes[ticket.priority]
         if len(queue) >= self._max_queue_depth:
             raise RouterError(pb.ERROR_CODE_OVERLOADED, f"queue for {resolution.name!r} is full",
-                              retry_after_s=self._retry_after(resolution.name, ticket))
+                              retry_after_s=self._retry_after(resolution.name, ticket, long_lane))
         waiter = _Waiter(requested, num_prompt_tokens, asyncio.get_running_loop().create_future(), ticket.tenant,
                          max(ticket.num_tokens, num_prompt_tokens, 1), ticket.weight, deadline_unix_s, avoid,
                          ticket.affinity_key)
@@ -208,18 +224,27 @@ class Admission:
             raise self._timeout_error(resolution.name, deadline_unix_s, requested)
         return waiter.future.result()
 
-    def _check_wait_budget(self, name: str, ticket: Ticket) -> None:
+    def _in_long_lane(self, name: str, num_prompt_tokens: int) -> bool:
+        """A long prompt of a model with long-context workers (in any state) queues in the long lane."""
+        return (self._limits.context.is_long(name, num_prompt_tokens)
+                and any(e.pool == LONG_CONTEXT_POOL and e.model_name == name for e in self._registry.workers()))
+
+    def _long_waiting(self, name: str) -> bool:
+        queues = self._long_queues.get(name)
+        return queues is not None and any(not w.future.done() for w in queues.waiters())
+
+    def _check_wait_budget(self, name: str, ticket: Ticket, long_lane: bool = False) -> None:
         if ticket.max_queue_wait_s <= 0:
             return
-        wait_s = self.estimated_wait_s(name, ticket)
+        wait_s = self.estimated_wait_s(name, ticket, long_lane)
         if wait_s is not None and wait_s > ticket.max_queue_wait_s:
             raise RouterError(pb.ERROR_CODE_OVERLOADED,
                               f"{name!r} is overloaded: estimated queue wait {wait_s:.1f} s exceeds this "
                               f"request's budget of {ticket.max_queue_wait_s:.1f} s",
                               retry_after_s=overload_retry_after_s(wait_s, ticket.max_queue_wait_s))
 
-    def _retry_after(self, name: str, ticket: Ticket) -> float:
-        wait_s = self.estimated_wait_s(name, ticket)
+    def _retry_after(self, name: str, ticket: Ticket, long_lane: bool = False) -> float:
+        wait_s = self.estimated_wait_s(name, ticket, long_lane)
         return overload_retry_after_s(wait_s or 0.0, ticket.max_queue_wait_s)
 
     def _observe_throughput(self) -> None:
@@ -233,7 +258,7 @@ class Admission:
     def dispatch(self) -> None:
         """Place queue heads (interactive first, fair between tenants) while workers have room."""
         self._observe_throughput()
-        for name, queues in self._queues.items():
+        for name, queues in [*self._queues.items(), *self._long_queues.items()]:  # lanes are independent
             for priority in CLASS_ORDER:
                 if not self._dispatch_class(name, queues.classes[priority], priority):
                     break  # the head found no room: nothing of a later class may jump ahead of it
@@ -278,14 +303,16 @@ class Admission:
         # not UNAVAILABLE, and its heartbeats are not overdue yet): retry elsewhere while there is an elsewhere.
         workers = {e.worker_id: e for e in ([e for e in healthy if e.worker_id not in avoid] or healthy)}
         loads = [self._registry.load_of(e) for e in workers.values()]
+        pools = PoolRequest(self._limits.context.is_long(resolution.name, num_prompt_tokens),
+                            self._long_waiting(resolution.name))
         chosen = choose_worker(loads, num_prompt_tokens, self._limits, self._is_idle(resolution.name, tenant),
-                               batch=priority == pb.PRIORITY_CLASS_BATCH)
+                               batch=priority == pb.PRIORITY_CLASS_BATCH, pools=pools)
         if chosen is None:
             return None
         self._registry.record_placement(workers[chosen], num_prompt_tokens)
-        # Released (with the tenant) by the router service when the relay ends.
-        self._registry.assign(workers[chosen], tenant)
-        return Placement(workers[chosen], resolution)
+        # Released (with the tenant and the long flag) by the router service when the relay ends.
+        self._registry.assign(workers[chosen], tenant, pools.long_context)
+        return Placement(workers[chosen], resolution, pools.long_context)
 
     def _wait_budget(self, deadline_unix_s: float, cold: bool = False) -> float:
         budget = self._cold_start_wait_s if cold else self._max_queue_wait_s

@@ -3,7 +3,8 @@ the planner picks the decode worker by prefix affinity within a load cap, then a
 prefill tokens, prefix affinity) unless the uncached part of the prompt is short or no prefill worker serves
 the model. With no prefill worker and one decode-capable worker it changes nothing (colocated fleets).
 A retry is planned the same way, away from the workers it was lost on (`avoid`), a resumed stream included:
-the prefill worker continues its seeds like the decode worker (GenerateRequest.num_previous_output_tokens)."""
+the prefill worker continues its seeds like the decode worker (GenerateRequest.num_previous_output_tokens).
+Pools (context_pools.py): the plan stays in the pool of admission's choice, for the decode and the prefill worker."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import NamedTuple
 
 from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.engine.block_hash import hash_full_blocks
+from flotilla.router.context_pools import LONG_CONTEXT_POOL
 from flotilla.router.placement import (
     AffinityLimits,
     Candidate,
@@ -44,11 +46,15 @@ class DisaggPlanner:
         self._hash_sets: dict[str, tuple[float, frozenset[bytes]]] = {}  # worker id -> (heartbeat, hashes)
         self.num_prefix_hit_placements = 0  # placed on a worker holding part of the prompt
 
-    def plan(self, chosen: WorkerEntry, request: pb.GenerateRequest, avoid: frozenset[str] = frozenset()) -> Plan:
-        """`avoid`: decode workers a retried request was lost on; admission chose `chosen` away from them."""
+    def plan(self, chosen: WorkerEntry, request: pb.GenerateRequest, avoid: frozenset[str] = frozenset(),
+             long_context: bool = False) -> Plan:
+        """`avoid`: decode workers a retried request was lost on; admission chose `chosen` away from them.
+        `long_context`: admission placed it as a long prompt (Placement.long_context)."""
         peers = [e for e in self._registry.healthy_workers(chosen.model_name, chosen.version)
-                 if e.worker_id not in avoid or e.worker_id == chosen.worker_id]  # fmt: skip
-        prefill_workers = self._registry.healthy_prefill_workers(chosen.model_name, chosen.version)
+                 if e.worker_id == chosen.worker_id
+                 or (e.worker_id not in avoid and self._same_pool(chosen, e, long_context))]
+        prefill_workers = [e for e in self._registry.healthy_prefill_workers(chosen.model_name, chosen.version)
+                           if e.pool == chosen.pool]
         if len(peers) <= 1 and not prefill_workers:
             return Plan(chosen, None)
         prompt = list(request.prompt_token_ids)
@@ -60,7 +66,7 @@ class DisaggPlanner:
             self.num_prefix_hit_placements += 1
         decode_entry = self._registry.get(decode.load.worker_id) or chosen
         if decode_entry is not chosen:  # admission counted the request on `chosen`: move it
-            self._move_placement(chosen, decode_entry, len(prompt))
+            self._move_placement(chosen, decode_entry, len(prompt), long_context)
         if len(prompt) - num_cached * block_size < self.affinity.min_remote_prefill_tokens:
             return Plan(decode_entry, None)
         prefill = choose_prefill_worker(self._candidates(prefill_workers, hashes), self.affinity)
@@ -70,6 +76,13 @@ class DisaggPlanner:
         if prefill_entry is not None:
             self._registry.record_placement(prefill_entry, len(prompt))
         return Plan(decode_entry, prefill_entry)
+
+    @staticmethod
+    def _same_pool(chosen: WorkerEntry, peer: WorkerEntry, long_context: bool) -> bool:
+        """A peer the plan may move the request to: same pool, and a short prompt lent to the long-context pool
+        only moves to a long-context worker that runs no long prompt either."""
+        return peer.pool == chosen.pool and (long_context or peer.pool != LONG_CONTEXT_POOL
+                                             or peer.num_long_assigned == 0)
 
     def _pick_decode(self, chosen: WorkerEntry, peers: Sequence[WorkerEntry], hashes: list[bytes], num_tokens: int):
         candidates = [
@@ -99,10 +112,13 @@ class DisaggPlanner:
             memo = self._hash_sets[worker_id] = (entry.last_heartbeat, frozenset(entry.report.cached_block_hashes))
         return memo[1]
 
-    def _move_placement(self, old: WorkerEntry, new: WorkerEntry, num_tokens: int) -> None:
+    def _move_placement(self, old: WorkerEntry, new: WorkerEntry, num_tokens: int, long_context: bool) -> None:
         old.num_placed_requests = max(0, old.num_placed_requests - 1)
         old.num_placed_tokens = max(0, old.num_placed_tokens - num_tokens)
         old.num_assigned = max(0, old.num_assigned - 1)  # the relay releases the worker it really used
         new.num_assigned += 1
+        if long_context:
+            old.num_long_assigned = max(0, old.num_long_assigned - 1)
+            new.num_long_assigned += 1
         self._registry.record_placement(new, num_tokens)
 

@@ -1,5 +1,5 @@
 """Router metrics: requests and rejections by reason, queue wait and depth by model and priority class,
-requests in flight on workers; model lifecycle: route changes, each version's share of traffic and its
+requests in flight on workers, placements by pool (pool_metrics.py has the rest by pool); model lifecycle: route changes, each version's share of traffic and its
 outcomes, TTFT, TPOT and output length (version_stats.py keeps the same samples for `flotilla models status`)."""
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ class RouterMetrics:
                                     "worker", ["model", "class"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue_depth = Gauge("flotilla_router_queue_depth", "Requests waiting for a worker",
                                  ["model", "class"], registry=r)
+        self.placements = Counter("flotilla_router_placements", "Requests placed on a worker, by model, the "
+                                  "worker's pool and the prompt's length class (long: over the model's long-context "
+                                  "threshold)", ["model", "pool", "prompt"], registry=r)
         self.inflight = Gauge("flotilla_router_inflight_requests", "Requests placed on a worker and not finished",
                               ["model"], registry=r)
         self.route_changes = Counter("flotilla_router_model_route_changes", "Model registry changes (adopt, "

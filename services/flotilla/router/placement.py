@@ -3,13 +3,16 @@
 The router calls it with the loads of the healthy workers that serve the request's resolved model version
 (never a worker with other weights). A worker has room while its queued tokens (its last report plus what
 the router placed there since) stay under a cap; among those with room, the most headroom wins: fewest
-queued tokens, then most free KV blocks. Prefix affinity and priority classes will extend this module.
+queued tokens, then most free KV blocks. Pools come first (context_pools.py): a long prompt is placed only
+within the long-context pool's tier, a short one in the default pool's before any lent long-context worker.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from flotilla.router.context_pools import ContextThresholds, PoolRequest, pool_tiers
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,9 @@ class WorkerLoad:
     num_requests: int  # running + waiting, incl. requests placed since the last report
     num_free_blocks: int
     num_total_blocks: int
+    pool: str = ""  # the worker's pool label ("": default; context_pools.LONG_CONTEXT_POOL)
+    max_model_len: int = 0  # its context window (0: unknown)
+    num_long_requests: int = 0  # long-prompt requests the router placed there whose relay has not ended
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,8 @@ class PlacementLimits:
     # A batch-class request goes only to a worker with at least this share of its KV blocks free: the batch tier
     # fills spare memory and leaves a margin for interactive arrivals (0: no watermark).
     batch_min_free_kv_fraction: float = 0.0
+    # Prompt length above which a request goes to the long-context pool, per model (context_pools.py).
+    context: ContextThresholds = field(default_factory=ContextThresholds)
 
     def __post_init__(self) -> None:
         if self.max_queued_tokens_per_worker < 1 or self.max_requests_per_worker < 1:
@@ -61,14 +69,15 @@ def headroom_key(load: WorkerLoad) -> tuple[int, int, int, str]:
 
 
 def choose_worker(loads: Iterable[WorkerLoad], num_prompt_tokens: int, limits: PlacementLimits,
-                  idle_tenant: bool = False, batch: bool = False) -> str | None:
+                  idle_tenant: bool = False, batch: bool = False, pools: PoolRequest = PoolRequest()) -> str | None:
     """The id of the worker with the most headroom among those with room, or None when none has room.
     `idle_tenant`: the request's tenant has nothing in flight for the model (may use the extra slots);
-    `batch`: a batch-class request (the free-KV watermark applies)."""
-    candidates = [load for load in loads if can_admit(load, num_prompt_tokens, limits, idle_tenant, batch)]
-    if not candidates:
-        return None
-    return min(candidates, key=headroom_key).worker_id
+    `batch`: a batch-class request (the free-KV watermark applies); `pools`: its pool tiers, tried in order."""
+    for tier in pool_tiers(loads, num_prompt_tokens, pools):
+        candidates = [load for load in tier if can_admit(load, num_prompt_tokens, limits, idle_tenant, batch)]
+        if candidates:
+            return min(candidates, key=headroom_key).worker_id
+    return None
 
 
 # ---- disaggregation: prefix affinity with a load cap -----------------------------------------------------

@@ -21,6 +21,7 @@ from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.worker.v1 import worker_pb2_grpc
 from flotilla.rpc.options import aio_channel
 from flotilla.rpc.session_client import SessionClient
+from flotilla.router.context_pools import DEFAULT_POOL, pool_label
 from flotilla.router.model_assets import ModelAssetStore
 from flotilla.router.models import ModelVersionRef
 from flotilla.router.placement import WorkerLoad
@@ -45,6 +46,7 @@ class WorkerEntry:
     # backlog (fair queueing between tenants happens in the router).
     num_assigned: int = 0
     num_released_since_report: int = 0  # relays ended since the last report (which may still count them)
+    num_long_assigned: int = 0  # of num_assigned, those with a long prompt (context_pools.py), exact like it
     was_healthy: bool = True  # for logging health transitions once
     state: int = rpb.WORKER_STATE_ACTIVE  # warm and draining workers get no new work (autoscaler)
     # The certificate identity that registered this worker id: only it may heartbeat, re-register or
@@ -67,6 +69,11 @@ class WorkerEntry:
     @property
     def model_name(self) -> str:
         return self.info.model.name
+
+    @property
+    def pool(self) -> str:
+        """Its pool label: "long-context", or "" for the default pool (which "default" also names)."""
+        return "" if self.info.pool == DEFAULT_POOL else self.info.pool
 
     @property
     def is_fixed_batch(self) -> bool:
@@ -126,6 +133,7 @@ class WorkerRegistry:
             entry._session = old._session  # same channel, same session: its streams go on
         if old is not None:
             entry.num_assigned = old.num_assigned
+            entry.num_long_assigned = old.num_long_assigned
         pending = self._pending_states.pop(info.worker_id, None)
         if old is not None:
             entry.state = old.state
@@ -134,8 +142,8 @@ class WorkerRegistry:
         self._workers[info.worker_id] = entry
         if old is not None:
             self.assets.retain(self.announced_assets())
-        logger.info("worker %s registered: %s@%s at %s", info.worker_id, entry.model_name, entry.version,
-                    info.address)
+        logger.info("worker %s registered: %s@%s at %s (%s pool)", info.worker_id, entry.model_name, entry.version,
+                    info.address, pool_label(entry.pool))
         return entry
 
     def owner_of(self, worker_id: str) -> str | None:
@@ -265,12 +273,16 @@ class WorkerRegistry:
         entry.num_placed_requests += 1
         entry.num_placed_tokens += num_prompt_tokens
 
-    def assign(self, entry: WorkerEntry, tenant: str = "") -> None:
+    def assign(self, entry: WorkerEntry, tenant: str = "", long_context: bool = False) -> None:
+        """`long_context`: a long prompt (context_pools.py); release it with the same flag."""
         entry.num_assigned += 1
+        entry.num_long_assigned += long_context
         self._tenant_assigned[(entry.model_name, tenant)] += 1
 
-    def release(self, entry: WorkerEntry, tenant: str = "") -> None:
+    def release(self, entry: WorkerEntry, tenant: str = "", long_context: bool = False) -> None:
         entry.num_assigned = max(0, entry.num_assigned - 1)
+        if long_context:
+            entry.num_long_assigned = max(0, entry.num_long_assigned - 1)
         entry.num_released_since_report += 1
         key = (entry.model_name, tenant)
         if self._tenant_assigned[key] <= 1:
@@ -295,6 +307,9 @@ class WorkerRegistry:
             num_requests=max(entry.num_assigned, reported),
             num_free_blocks=max(0, report.num_free_blocks - num_placed_blocks),
             num_total_blocks=report.num_total_blocks,
+            pool=entry.pool,
+            max_model_len=entry.info.model.max_model_len,
+            num_long_requests=entry.num_long_assigned,
         )
 
     def model_versions(self) -> list[ModelVersionRef]:
@@ -308,10 +323,10 @@ class WorkerRegistry:
         return list(refs.values())
 
     def model_info(self, name: str, version: str) -> pb.ModelInfo | None:
-        for entry in self._token_workers():
-            if entry.model_name == name and entry.version == version:
-                return entry.info.model
-        return None
+        """The version's model info, with the widest context window among its workers: a long-context pool may
+        hold prompts the default pool cannot (placement sends each prompt only where it fits)."""
+        infos = [e.info.model for e in self._token_workers() if e.model_name == name and e.version == version]
+        return max(infos, key=lambda info: info.max_model_len) if infos else None
 
     def status(self, entry: WorkerEntry) -> rpb.WorkerStatus:
         """What ListWorkers shows: the load without request ids or prefix-cache hashes (what requests run and

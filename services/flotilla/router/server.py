@@ -15,6 +15,7 @@ from flotilla.router.model_routes import ModelRoutes
 from flotilla.router.models import expected_names
 from flotilla.router.registry import WorkerRegistry
 from flotilla.observability.exposition import serve_metrics
+from flotilla.router.pool_metrics import PoolCollector
 from flotilla.router.service import RouterService
 from flotilla.router.telemetry import RouterMetrics
 from flotilla.router.access import ROUTER_POLICY
@@ -57,6 +58,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     tasks = [sweeper, dispatcher]
     if config.auto_rollback.enabled:
         tasks.append(asyncio.create_task(_auto_rollback_forever(config.auto_rollback, admission, metrics, registry)))
+    metrics.registry.register(PoolCollector(registry, admission))
     metrics_server = None
     if config.metrics_port is not None:
         metrics_server = serve_metrics(metrics.registry, config.host, config.metrics_port, config.metrics_port_file)

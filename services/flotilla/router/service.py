@@ -19,6 +19,7 @@ from flotilla.rpc.tls import peer_identity
 from flotilla.rpc.stream_events import Chunk, StreamEvent
 from flotilla.router.admission import Admission, Placement, RouterError, Ticket
 from flotilla.router.batch_dispatcher import BatchDispatcher
+from flotilla.router.context_pools import POOLS
 from flotilla.router.disagg_planner import DisaggPlanner
 from flotilla.router.model_assets import RejectedAssetsError
 from flotilla.router.failover import DEFAULT_MAX_ATTEMPTS, StreamProgress, WorkerLost
@@ -170,7 +171,8 @@ class RouterService(ModelLifecycleRpcs, router_pb2_grpc.RouterServiceServicer):
         forwarded = progress.next_request(placement.resolution.qualified)
         # Decode worker by prefix affinity, then a prefill worker; a retry (a resumed stream too) is planned
         # the same way, away from the workers it was lost on.
-        plan = self._disagg.plan(placement.worker, forwarded, avoid=progress.lost_worker_ids)
+        plan = self._disagg.plan(placement.worker, forwarded, avoid=progress.lost_worker_ids,
+                                 long_context=placement.long_context)
         forwarded.prefill_worker_address = plan.prefill_worker_address
         worker = plan.decode
         telemetry.running_on(worker.worker_id)
@@ -223,7 +225,8 @@ class RouterService(ModelLifecycleRpcs, router_pb2_grpc.RouterServiceServicer):
             # aborts the request in its engine.
             call.cancel()
             worker.num_inflight -= 1
-            self._registry.release(worker, request.tenant_id)  # its slot is free for the next queued request
+            # Its slot is free for the next queued request.
+            self._registry.release(worker, request.tenant_id, placement.long_context)
 
     def _record_tokens(self, placement: Placement, num_tokens: int, arrived_s: float | None) -> float | None:
         """Count relayed tokens for the token mix; the first ones also give a TTFT sample. Returns None
@@ -251,6 +254,8 @@ class RouterService(ModelLifecycleRpcs, router_pb2_grpc.RouterServiceServicer):
         info = request.worker
         if not info.worker_id or not info.address or not info.model.name or not info.model.version:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker_id, address and model name/version needed")
+        if info.pool and info.pool not in POOLS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown pool {info.pool!r}; known: {POOLS}")
         owner = await self._owning_caller(info.worker_id, context)
         self._registry.register(info, owner)
         self._membership_changed()

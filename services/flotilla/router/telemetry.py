@@ -14,6 +14,7 @@ from flotilla.observability.request_log import log_request
 from flotilla.router.metrics import RouterMetrics, error_reason_label, priority_class_label
 from flotilla.observability.tracing import trace_id_hex, tracer
 from flotilla.router.admission import Placement
+from flotilla.router.context_pools import pool_label
 from flotilla.rpc.stream_events import Error, Finished
 
 
@@ -51,6 +52,8 @@ class RouterRequestTelemetry:
         self._placed = True
         self._metrics.inflight.labels(self._model).inc()
         self._metrics.queue_wait.labels(self._model, self._class).observe(self._queue_wait_s)
+        self._metrics.placements.labels(self._model, pool_label(placement.worker.pool),
+                                        "long" if placement.long_context else "short").inc()
         resolution = placement.resolution
         if resolution.version:
             self._version = (resolution.name, resolution.version)

@@ -104,6 +104,7 @@ def _router_link(
         address=address(config.advertise_host or config.host, port),
         role=role_proto(config.disagg),
         model=model,
+        pool=config.pool,
     )
     link = RouterLink(config.router_address, info, current_load, config.heartbeat_interval_s, tokenizer_files,
                       config.tls)
