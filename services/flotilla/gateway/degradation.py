@@ -1,8 +1,9 @@
 """Degradation before refusal: while the router's queue grows, free-tier interactive requests get less before any
 is refused (batch-class ones wait or are shed instead: a batch job's output must be what it asked for).
 
-The signal is the router's estimated queue wait for a new interactive request (queue_load.py polls it).
-From `onset_s` on, a free-tier request's `max_tokens` is capped at `free_max_tokens` and its tenant's
+The signal is the router's interactive backlog as a wait: every tenant's queued interactive tokens / measured
+throughput (router/queue_load.py; queue_load.py here polls it), an upper bound of the estimate the router
+sheds a single request on, so degradation always comes first. From `onset_s` on, a free-tier request's `max_tokens` is capped at `free_max_tokens` and its tenant's
 tokens-per-minute limit is tightened in proportion to the load: the pressure rises linearly from 0 at
 `onset_s` to 1 at the free tier's wait budget (AdmissionPolicy.interactive_free_s), where the router starts
 shedding free requests, and the limit falls with it from 100% to `min_free_quota_fraction`. The ladder as the

@@ -1,6 +1,6 @@
 """The router's queue load as the gateway sees it: a cheap periodic signal, not a call per request.
 
-A background task asks the router (GetQueueLoad) every `interval_s` for the estimated queue wait of the
+A background task asks the router (GetQueueLoad) every `interval_s` for the interactive backlog (as a wait) of the
 models this gateway served lately. Admission reads the last answer without waiting (degradation.py). An
 answer older than `stale_after_s` (the router unreachable, or a router without GetQueueLoad) reads as no
 signal: nothing is degraded, and the router's own wait budgets still shed.
