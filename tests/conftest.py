@@ -45,6 +45,7 @@ UNIT_PATHS = (
     "autoscaling",
     "engine",
     "gateway/test_conversation_key.py",
+    "gateway/test_degradation.py",
     "gateway/test_error_mapping.py",
     "gateway/test_field_support.py",
     "gateway/test_model_registry.py",

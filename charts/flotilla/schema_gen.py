@@ -63,6 +63,13 @@ ROLE = {
         "port": {"type": "integer", "minimum": 1, "maximum": 65535},
         "metricsPort": {"type": "integer", "minimum": 1, "maximum": 65535},
         "intervalSeconds": {"type": "number", "exclusiveMinimum": 0},
+        "targetTpotMs": {"type": ["string", "number"], "pattern": "^(auto|off|[0-9]+(\\.[0-9]+)?)$", "minimum": 0,
+                         "description": "worker --target-tpot-ms: auto, off, or milliseconds"},
+        "degradation": {"type": "object", "additionalProperties": False, "properties": {
+            "enabled": {"type": "boolean"}, "onsetSeconds": {"type": "number", "minimum": 0},
+            "freeMaxTokens": {"type": "integer", "minimum": 1},
+            "minQuotaFraction": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+            "queueLoadIntervalSeconds": {"type": "number", "exclusiveMinimum": 0}}},
         "rbac": {"type": "object", "properties": {"create": {"type": "boolean"}}, "additionalProperties": False},
         "watchNamespaces": {"type": "array", "uniqueItems": True,
                             "items": {"type": "string", "pattern": r"^[a-z0-9*?]([-a-z0-9*?]*[a-z0-9*?])?$"}},
@@ -80,7 +87,7 @@ ROLE = {
 # Its autoscaling block may name single keys (the rest come from the chart-wide block).
 POOL_OVERRIDE = {"type": "object", "additionalProperties": False, "properties": {
     **{k: ROLE["properties"][k] for k in ("enabled", "replicas", "image", "resources", "podDisruptionBudget",
-                                          "extraEnv", "extraArgs")},
+                                          "extraEnv", "extraArgs", "targetTpotMs")},
     "autoscaling": {k: v for k, v in AUTOSCALING.items() if k != "required"}}}
 LONG_CONTEXT_KEYS = {
     **{k: ROLE["properties"][k] for k in ("enabled", "replicas", "image", "resources", "podDisruptionBudget",

@@ -56,6 +56,7 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
         self.script: list[str] = []  # what model "script" answers
         self.script_delay_s = 0.0  # between its chunks (else the gateway may read several as one)
         self.cancelled: list[common.GenerateRequest] = []
+        self.queue_wait_s: float | None = None  # what GetQueueLoad answers for every model
         self._changed = threading.Condition()
 
     def add_model(self, info: common.ModelInfo) -> None:
@@ -71,6 +72,15 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
 
     async def ListModels(self, request, context):
         return router_pb2.ListModelsResponse(models=self.models)
+
+    async def GetQueueLoad(self, request, context):
+        """Every asked model's backlog wait is `queue_wait_s` (None: unmeasured)."""
+        response = router_pb2.GetQueueLoadResponse()
+        for name in request.models:
+            load = response.models.add(model=name)
+            if self.queue_wait_s is not None:
+                load.interactive_wait_s = self.queue_wait_s
+        return response
 
     async def GetModelAssets(self, request, context):
         if request.digest != self.assets_digest:

@@ -85,8 +85,13 @@ name made a DNS label. Each pool carries its workers' extra flags as `args`. */}
 {{- $name := printf "%s-%s-%s" (include "flotilla.name" $) $slug $role }}
 {{- /* the operator names the pool's Deployment and Service <pool>-workers: a DNS label, at most 63 */}}
 {{- if gt (len $name) 55 }}{{ fail (printf "pool name %q is longer than 55 characters: shorten the release name or give model %q a shorter `pool` key" $name $model.name) }}{{ end }}
+{{- $args := $block.extraArgs | default list }}
+{{- /* the batch bound: prefill workers' steps carry no decode tokens */}}
+{{- if and (hasKey $block "targetTpotMs") (ne $role "prefill") }}
+{{- $args = prepend $args (printf "--target-tpot-ms=%v" $block.targetTpotMs) }}
+{{- end }}
 {{- $pools = append $pools (dict "name" $name "slug" $slug "role" $role
-      "disaggregated" $prefill.enabled "model" $model "block" $block "args" ($block.extraArgs | default list)) }}
+      "disaggregated" $prefill.enabled "model" $model "block" $block "args" $args) }}
 {{- end }}
 {{- end }}
 {{- $long := mergeOverwrite (deepCopy ($.Values.longContext | default dict)) (deepCopy ($model.longContext | default dict)) }}

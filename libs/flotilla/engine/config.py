@@ -10,6 +10,10 @@ import torch
 
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB: ~260k tokens of the tiny model
 GPU_KV_MEMORY_FRACTION = 0.85  # of the memory left free once the weights are loaded
+# The batch bound's default target TPOT (--target-tpot-ms auto). On a CPU, the tiny test model's step takes
+# ~9 ms with 1 sequence, ~28 ms with 32 and ~48 ms with 64 (one core, docs/performance.md): 40 ms keeps
+# ~48 sequences per step on an idle core and fewer when the machine is busy.
+DEFAULT_TARGET_TPOT_S = {"cuda": 0.050, "cpu": 0.040}
 
 
 @dataclass
@@ -28,6 +32,9 @@ class EngineConfig:
     num_host_kv_blocks: int = 0  # host blocks for swap preemption
     max_num_batched_tokens: int = 2048  # per-step token budget
     max_num_seqs: int = 256
+    # Sequences per step bounded so that steps (each one token of every sequence in it: the TPOT) stay under
+    # this (batch_bound.py); None = off. `flotilla worker --target-tpot-ms` sets it (auto: 50 ms on cuda).
+    target_tpot_s: float | None = None
     num_lookahead_steps: int = 4  # growth reserved at admission: projected KV = known tokens + this many
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"  # or "swap"
@@ -44,6 +51,8 @@ class EngineConfig:
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be auto or one of {sorted(KV_CACHE_DTYPES)}, got "
                              f"{self.kv_cache_dtype!r}")
+        if self.target_tpot_s is not None and self.target_tpot_s <= 0:
+            raise ValueError(f"target_tpot_s must be > 0 (None: off), got {self.target_tpot_s}")
         if self.preemption_mode == "swap" and self.num_host_kv_blocks < 1:
             raise ValueError("preemption_mode 'swap' needs num_host_kv_blocks >= 1")
 
@@ -53,6 +62,21 @@ KV_CACHE_DTYPES = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
     "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
 }
+
+
+def resolve_target_tpot_s(value_ms: str, device_name: str) -> float | None:
+    """`--target-tpot-ms`: "auto" (DEFAULT_TARGET_TPOT_S for the device), "off" or 0 (no bound), or milliseconds."""
+    if value_ms == "auto":
+        return DEFAULT_TARGET_TPOT_S.get(resolve_device(device_name).type)
+    if value_ms == "off":
+        return None
+    try:
+        milliseconds = float(value_ms)
+    except ValueError:
+        raise ValueError(f"--target-tpot-ms must be auto, off or milliseconds, got {value_ms!r}") from None
+    if milliseconds < 0 or milliseconds != milliseconds:
+        raise ValueError(f"--target-tpot-ms must be >= 0, got {value_ms!r}")
+    return milliseconds / 1000 or None
 
 
 def resolve_device(name: str) -> torch.device:

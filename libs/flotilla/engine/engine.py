@@ -8,6 +8,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from flotilla.engine.batch_bound import BatchBoundConfig
 from flotilla.engine.block_hash import chain_root
 from flotilla.engine import cuda_graphs
 from flotilla.engine.config import (
@@ -78,6 +79,7 @@ class LLMEngine:
                 num_lookahead_steps=config.num_lookahead_steps,
                 preemption_mode=config.preemption_mode,
                 max_model_len=self.max_model_len,
+                batch_bound=BatchBoundConfig(config.target_tpot_s) if config.target_tpot_s else None,
             ),
             self.kv_cache_manager,
         )
@@ -205,6 +207,7 @@ class LLMEngine:
         self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs = self._emit(scheduler_output, runner_output)
         self._last_step_seconds = time.perf_counter() - started
+        self.scheduler.observe_step(self._last_step_seconds, len(scheduler_output.chunks))
         return outputs
 
     def _emit(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
@@ -282,6 +285,7 @@ class LLMEngine:
             last_step_seconds=self._last_step_seconds,
             num_output_tokens_total=self._num_output_tokens_total,
             num_prompt_tokens_total=self._num_prompt_tokens_total,
+            seq_limit=scheduler.seq_limit,
         )
 
     def release_expired_quarantine(self) -> int:

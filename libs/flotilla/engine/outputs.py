@@ -36,3 +36,4 @@ class EngineStats:
     last_step_seconds: float
     num_output_tokens_total: int
     num_prompt_tokens_total: int
+    seq_limit: int = 0  # sequences a step may run now: the batch bound's cap, else max_num_seqs (0: unknown)

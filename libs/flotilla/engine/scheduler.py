@@ -6,6 +6,9 @@ That single rule covers prefill (many known tokens), chunked prefill (the budget
      request not yet scheduled this step when blocks run out);
   2. waiting requests, strictly head-of-line in (priority class, preempted first, arrival) order,
      admitted only when their projected KV blocks fit.
+With a batch bound (batch_bound.py) a step runs at most `cap` sequences: running ones interactive first,
+then by arrival, so batch-class sequences are the first to wait (they keep their KV blocks, paused), and
+waiting ones are admitted only while the step has room under the cap.
 No tensors here: the output names block ids and copies for the model runner.
 """
 
@@ -15,6 +18,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Literal
 
+from flotilla.engine.batch_bound import BatchBound, BatchBoundConfig
 from flotilla.engine.errors import ContextLengthError, InvalidRequestError
 from flotilla.engine.kv_cache_manager import KVCacheManager
 from flotilla.engine.request import FinishReason, Request, RequestStatus
@@ -35,6 +39,7 @@ class SchedulerConfig:
     num_lookahead_steps: int = 4  # tokens of decode growth an admission must leave room for
     preemption_mode: PreemptionMode = "recompute"
     max_model_len: int | None = None  # prompt + max_tokens limit; None = only the KV capacity limits
+    batch_bound: BatchBoundConfig | None = None  # sequences per step bounded by a target TPOT; None = off
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
@@ -75,6 +80,7 @@ class Scheduler:
         self._next_seq = 0
         self._checked_idle = True
         self.last_num_scheduled_tokens = 0
+        self.bound = BatchBound(config.batch_bound, config.max_num_seqs) if config.batch_bound else None
 
     # ---- views ---------------------------------------------------------------------------------
     @property
@@ -151,6 +157,16 @@ class Scheduler:
         self.last_num_scheduled_tokens = step.output.num_scheduled_tokens
         return step.output
 
+    def observe_step(self, step_s: float, num_seqs: int) -> None:
+        """A finished step's wall time and the sequences it ran: the batch bound's feedback."""
+        if self.bound is not None:
+            self.bound.observe(step_s, num_seqs)
+
+    @property
+    def seq_limit(self) -> int:
+        """Sequences one step may run now: the batch bound's cap, else max_num_seqs."""
+        return self.bound.cap if self.bound is not None else self.config.max_num_seqs
+
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput) -> None:
         """Advance each scheduled request by its chunk and append its sampled token. Requests finished
         or aborted since schedule() are skipped (their blocks are already free)."""
@@ -170,8 +186,16 @@ class Scheduler:
 
     # ---- pipeline steps ------------------------------------------------------------------------
     def _schedule_running(self, step: _Step) -> None:
-        for request in list(self._running):
-            if step.budget == 0:
+        limit = self.seq_limit
+        running = list(self._running)
+        reserved = {}  # by class: slots kept for waiting requests of classes served before it
+        if self.bound is not None and len(running) + len(self._waiting) > limit:
+            # The bound may bind: interactive first, oldest first. A batch-class sequence also leaves its slot
+            # to an interactive request still waiting; the rest wait (paused, blocks kept) this step.
+            running.sort(key=lambda r: (r.priority, self._arrival_seq[r.request_id]))
+            reserved = {r.priority: self._num_waiting_before(r.priority) for r in running}
+        for request in running:
+            if step.budget == 0 or len(step.scheduled_ids) + reserved.get(request.priority, 0) >= limit:
                 return
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted as a victim earlier in this loop
@@ -183,7 +207,8 @@ class Scheduler:
                 step.add_chunk(request, num_new_tokens, self.kv.block_ids(request.request_id), copies)
 
     def _schedule_waiting(self, step: _Step) -> None:
-        while self._waiting and step.budget > 0 and len(self._running) < self.config.max_num_seqs:
+        while (self._waiting and step.budget > 0 and len(self._running) < self.config.max_num_seqs
+               and len(step.scheduled_ids) < self.seq_limit):
             request = self._waiting[0]
             if request in step.output.preempted:
                 return  # memory ran short this very step; re-admitting now would only thrash
@@ -243,6 +268,15 @@ class Scheduler:
         return True
 
     # ---- helpers -------------------------------------------------------------------------------
+    def _num_waiting_before(self, priority: int) -> int:
+        """Waiting requests of classes served before `priority` (the waiting list is sorted by class first)."""
+        count = 0
+        for waiting in self._waiting:
+            if waiting.priority >= priority:
+                break
+            count += 1
+        return count
+
     def _projected_num_tokens(self, request: Request) -> int:
         """Known tokens plus a few steps of growth, capped where the request must stop anyway."""
         growth = request.num_tokens + self.config.num_lookahead_steps

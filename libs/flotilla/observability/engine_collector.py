@@ -36,6 +36,8 @@ class EngineStatsCollector(Collector):
             "flotilla_worker_batch_size": ("Requests in the last step (running batch)", stats.num_running),
             "flotilla_worker_step_tokens": ("Tokens computed in the last step", stats.last_step_num_tokens),
             "flotilla_worker_step_seconds": ("Duration of the last step", stats.last_step_seconds),
+            "flotilla_worker_step_seq_limit": ("Sequences a step may run now (the batch bound's cap, else "
+                                               "max_num_seqs)", stats.seq_limit),
         }
         for name, (doc, value) in gauges.items():
             yield self._gauge(name, doc, value)

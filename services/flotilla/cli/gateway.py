@@ -9,6 +9,7 @@ from pathlib import Path
 
 from flotilla.cli.tls_flags import add_tls_flags, internal_tls
 from flotilla.gateway.batch_jobs.settings import BatchSettings
+from flotilla.gateway.degradation import DegradationPolicy
 from flotilla.gateway.settings import DEFAULT_MAX_BODY_BYTES, TOOL_CALL_PARSERS, GatewaySettings
 
 
@@ -30,6 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                 ("--wait-budget-batch-s", 2.0, "batch")):
         run.add_argument(flag, type=float, default=default,
                          help=f"{what}: longest estimated queue wait before 529 (default {default:g})")
+    _add_degradation_flags(run)
     run.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     run.add_argument("--default-model", help="model used when a request names none")
     run.add_argument("--model-refresh-s", type=float, default=10.0, help="model list refresh period")
@@ -84,6 +86,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     key.set_defaults(func=_add_key)
 
 
+def _add_degradation_flags(run: argparse.ArgumentParser) -> None:
+    group = run.add_argument_group("degradation before refusal (free tier, while the router's queue is long)")
+    group.add_argument("--no-degradation", action="store_true",
+                       help="never degrade: overload only sheds (529) by the wait budgets")
+    for flag, kind, default, what in (
+            ("--degrade-onset-s", float, DegradationPolicy.onset_s,
+             "estimated interactive queue wait from which free-tier requests are degraded"),
+            ("--degrade-free-max-tokens", int, DegradationPolicy.free_max_tokens,
+             "a degraded free-tier request's max_tokens at most"),
+            ("--degrade-min-quota-fraction", float, DegradationPolicy.min_free_quota_fraction,
+             "free-tier tokens-per-minute limits at the free wait budget, as a fraction (linear from the onset)"),
+            ("--queue-load-interval-s", float, DegradationPolicy.poll_interval_s,
+             "how often the router's queue load is read")):
+        group.add_argument(flag, type=kind, default=default, help=f"{what} (default {default:g})")
+
+
+def degradation_policy(args: argparse.Namespace) -> DegradationPolicy:
+    return DegradationPolicy(not args.no_degradation, args.degrade_onset_s, args.degrade_free_max_tokens,
+                             args.degrade_min_quota_fraction, args.queue_load_interval_s)
+
+
 def _run(args: argparse.Namespace) -> int:
     from flotilla.gateway.server import run
     from flotilla.tenancy.admission_policy import AdmissionPolicy
@@ -113,7 +136,8 @@ def _run(args: argparse.Namespace) -> int:
                                                    completion_window_s=args.batch_completion_window_s,
                                                    lease_ttl_s=args.batch_lease_ttl_s),
                                admission=AdmissionPolicy(args.wait_budget_paid_s, args.wait_budget_free_s,
-                                                         args.wait_budget_batch_s))
+                                                         args.wait_budget_batch_s),
+                               degradation=degradation_policy(args))
     if args.safety_config is not None:
         from flotilla.gateway.safety.config import SafetyConfig
         from flotilla.gateway.safety.rules import PolicyError

@@ -37,6 +37,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     worker.add_argument("--max-num-batched-tokens", type=int, default=2048)
     worker.add_argument("--max-num-seqs", type=int, default=256)
     worker.add_argument("--max-model-len", type=int, default=None)
+    worker.add_argument("--target-tpot-ms", default="auto",
+                        help="bound the sequences per step so that a step (each sequence's inter-token time) stays "
+                             "under this, batch-class sequences waiting first: auto = 50 on cuda, 40 on cpu (the "
+                             "tiny model); off or 0 = run up to --max-num-seqs")
     worker.add_argument("--no-prefix-caching", action="store_true")
     worker.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
     worker.add_argument("--num-host-kv-blocks", type=int, default=0, help="host blocks for swap preemption")
@@ -145,7 +149,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    from flotilla.engine.config import EngineConfig
+    from flotilla.engine.config import EngineConfig, resolve_target_tpot_s
     from flotilla.worker.config import WorkerConfig
     from flotilla.worker.server import serve
     from flotilla.worker.kv_settings import DisaggSettings
@@ -161,6 +165,10 @@ def run_worker(args: argparse.Namespace) -> int:
     for _, model_dir in shared or [("", args.model_dir)]:
         check_model(model_dir, "flotilla worker")
     tls = internal_tls(args, "worker")
+    try:
+        target_tpot_s = resolve_target_tpot_s(args.target_tpot_ms, args.device)
+    except ValueError as err:
+        raise SystemExit(f"flotilla worker: {err}") from None
     engine = EngineConfig(
         model_dir=args.model_dir or shared[0][1],
         device=args.device,
@@ -173,6 +181,7 @@ def run_worker(args: argparse.Namespace) -> int:
         num_kv_blocks=args.num_kv_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        target_tpot_s=target_tpot_s,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         preemption_mode=args.preemption_mode,

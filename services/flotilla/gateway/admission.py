@@ -2,19 +2,21 @@
 headers in the dialect's style, and the request's class, deadline and wait budget for the router.
 
 The router decides 529 (fleet overload) from the wait budget sent here; this module decides 429 (the
-tenant's own quota) and 503 (Redis down while failing closed).
+tenant's own quota) and 503 (Redis down while failing closed). Before either, a free-tier request may be
+degraded while the router's queue is long (degradation.py): a smaller max_tokens, a tighter token quota.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from starlette.requests import Request
 
 from flotilla.engine.request import FinishReason, Priority
 from flotilla.gateway.auth import Principal
+from flotilla.gateway.degradation import DEGRADED_HEADER, Degradation, plan
 from flotilla.gateway.dialects import Dialect
 from flotilla.gateway.errors import ErrorKind, GatewayError
 from flotilla.gateway.safety.filtered import Filtered, Withheld
@@ -41,6 +43,7 @@ class RouteTicket:
     deadline_unix_s: float  # 0 = none
     max_queue_wait_s: float
     tenant_weight: int
+    max_tokens_cap: int = 0  # a degraded request's max_tokens (degradation.py); 0 = as asked
 
 
 @dataclass(frozen=True)
@@ -58,21 +61,52 @@ class Admitted:
 
 
 async def admit(request: Request, gatekeeper: Gatekeeper | None, policy: AdmissionPolicy, dialect: Dialect,
-                principal: Principal, request_id: str, num_prompt_tokens: int, max_tokens: int) -> Admitted:
+                principal: Principal, request_id: str, num_prompt_tokens: int, max_tokens: int,
+                model: str = "") -> Admitted:
+    """`model`: the served model's name, whose queue load may degrade a free-tier request ("": never)."""
+    degradation = _degradation(request, policy, principal, model, num_prompt_tokens, max_tokens)
+    limits = principal.limits
     ticket = route_ticket(request, policy, principal)
+    if degradation is not None:
+        max_tokens, limits = degradation.max_tokens, degradation.limits
+        ticket = replace(ticket, max_tokens_cap=degradation.max_tokens)
+        request.scope[RESPONSE_HEADERS_SCOPE_KEY] = [*request.scope.get(RESPONSE_HEADERS_SCOPE_KEY, ()),
+                                                     _degraded_header(degradation)]
     if gatekeeper is None:
         return Admitted(ticket, None, None, num_prompt_tokens)
     try:
-        reservation = await gatekeeper.reserve(principal.tenant, principal.limits, request_id,
+        reservation = await gatekeeper.reserve(principal.tenant, limits, request_id,
                                                num_prompt_tokens + max_tokens)
-    except QuotaExceeded as refused:
+    except QuotaExceeded as refused:  # a degraded request's 429 carries its header too (set in the scope)
         raise _quota_error(refused, dialect, num_prompt_tokens + max_tokens) from None
     except BackendUnavailable as err:
         raise GatewayError(ErrorKind.UNAVAILABLE, "the quota store is unavailable; retry later",
                            code="unavailable") from err
     if reservation.decision is not None:
-        request.scope[RESPONSE_HEADERS_SCOPE_KEY] = _header_list(dialect, reservation.decision.state)
+        request.scope[RESPONSE_HEADERS_SCOPE_KEY] = [*request.scope.get(RESPONSE_HEADERS_SCOPE_KEY, ()),
+                                                     *_header_list(dialect, reservation.decision.state)]
     return Admitted(ticket, reservation, gatekeeper, num_prompt_tokens)
+
+
+def _degradation(request: Request, policy: AdmissionPolicy, principal: Principal, model: str,
+                 num_prompt_tokens: int, max_tokens: int) -> Degradation | None:
+    ctx = request.app.state.gateway if model else None
+    if ctx is None or ctx.queue_load is None:
+        return None
+    wait_s = ctx.queue_load.wait_s(model)  # read for every request: it keeps the model polled
+    # Batch-class requests (a batch job's items too) wait or are shed, never cut short: their output is the job's.
+    if principal.priority_class != "interactive":
+        return None
+    degradation = plan(ctx.settings.degradation, policy, principal.tier, wait_s, num_prompt_tokens, max_tokens,
+                       principal.limits)
+    if degradation is not None:
+        ctx.metrics.degraded_requests.labels(model, "max_tokens" if degradation.max_tokens < max_tokens
+                                             else "quota").inc()
+    return degradation
+
+
+def _degraded_header(degradation: Degradation) -> tuple[bytes, bytes]:
+    return DEGRADED_HEADER.encode("latin-1"), degradation.header_value.encode("latin-1")
 
 
 def route_ticket(request: Request, policy: AdmissionPolicy, principal: Principal) -> RouteTicket:

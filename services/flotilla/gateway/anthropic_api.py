@@ -51,7 +51,7 @@ async def create_message(request: Request) -> Response:
         hold_stream_slot(request, principal)  # before admission: a refused stream holds no quota
     policy = await screen_prompt(ctx.safety, ctx.metrics, principal, model.tokenizer, prompt_ids)
     admitted = await admit(request, ctx.gatekeeper, ctx.settings.admission, Dialect.ANTHROPIC, principal,
-                           request_id(request), len(prompt_ids), params.max_tokens)
+                           request_id(request), len(prompt_ids), params.max_tokens, model=model.name)
     user_id = params.metadata.user_id if params.metadata is not None else None
     job = Job.create(request_id(request), model, principal, prompt_ids, sampling, arrival_time(request),
                      admitted.ticket, conversation_key(principal.tenant, user_id, params.system, params.messages))

@@ -18,6 +18,7 @@ from flotilla.gateway.batch_jobs.service import BatchJobs
 from flotilla.gateway.batch_jobs.store import BatchStore
 from flotilla.gateway.context import GatewayContext, RequestContextMiddleware
 from flotilla.gateway.dialects import dialect_for_path, error_response, http_error
+from flotilla.gateway.queue_load import queue_load_signal
 from flotilla.tenancy.keys import KeyStore
 from flotilla.gateway.metrics import GatewayMetrics
 from flotilla.gateway.model_registry import ModelRegistry, TokenizerBuilder, build_engine_tokenizer
@@ -47,19 +48,23 @@ def create_app(settings: GatewaySettings, backend: RouterBackend, key_store: Key
     if safety is None and settings.safety_config is not None:
         safety = SafetyConfig.load(settings.safety_config)
     context = GatewayContext(settings, backend, registry, key_store, metrics, gatekeeper, ledger,
-                             StreamSlots(settings.max_streams_per_key, settings.retry_after_s), safety)
+                             StreamSlots(settings.max_streams_per_key, settings.retry_after_s), safety,
+                             queue_load_signal(settings, backend))
     batch_jobs = BatchJobs.create(settings.batch, batch_store, metrics.registry, ledger)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        refresher = asyncio.create_task(registry.refresh_forever(settings.model_refresh_s))
+        background = [asyncio.create_task(registry.refresh_forever(settings.model_refresh_s))]
+        if context.queue_load is not None:  # the router's queue wait, for degradation
+            background.append(asyncio.create_task(context.queue_load.run_forever()))
         # Resumes the jobs a previous gateway left unfinished, once the router's models are known.
         await batch_jobs.start(app, ready=lambda: bool(registry.models))
         try:
             yield
         finally:
-            refresher.cancel()
-            await asyncio.gather(refresher, return_exceptions=True)
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
             await batch_jobs.close()
             if safety is not None:
                 await safety.aclose()

@@ -19,6 +19,7 @@ from flotilla.gateway.errors import ClientDisconnected, ErrorKind, GatewayError
 from flotilla.tenancy.keys import KeyStore
 from flotilla.gateway.metrics import GatewayMetrics
 from flotilla.gateway.model_registry import ModelRegistry
+from flotilla.gateway.queue_load import QueueLoad
 from flotilla.gateway.router_client import RouterBackend
 from flotilla.gateway.safety.config import SafetyConfig
 from flotilla.gateway.settings import GatewaySettings
@@ -43,6 +44,7 @@ class GatewayContext:
     ledger: UsageLedger | None = None  # usage records (usage_meter.py); None = off
     stream_slots: StreamSlots | None = None  # open streams per key (connection_limits.py); None = uncapped
     safety: SafetyConfig | None = None  # safety policies (safety/); None = nothing screened
+    queue_load: QueueLoad | None = None  # the router's queue wait, for degradation (queue_load.py); None = off
 
 
 def gateway_context(request: Request) -> GatewayContext:

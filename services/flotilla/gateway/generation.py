@@ -66,6 +66,8 @@ class Job:
     @classmethod
     def create(cls, request_id: str, model: ServedModel, principal: Principal, prompt_token_ids: list[int],
                sampling: SamplingParams, started_at: float, route: RouteTicket, affinity_key: str = "") -> Job:
+        if route.max_tokens_cap:  # degraded under load (degradation.py)
+            sampling = replace(sampling, max_tokens=min(sampling.max_tokens, route.max_tokens_cap))
         request = NewRequest(request_id, tuple(prompt_token_ids), sampling, route.priority, principal.salt,
                              principal.tenant, route.deadline_unix_s)
         return cls(request, model, principal, started_at, route, affinity_key)

@@ -27,6 +27,10 @@ class GatewayMetrics:
                               ["model", "tier", "kind"], registry=r)
         self.rejections = Counter("flotilla_gateway_rejections", "Requests answered with an error, by reason",
                                   ["reason"], registry=r)
+        self.degraded_requests = Counter("flotilla_gateway_degraded_requests",
+                                         "Free-tier requests degraded under load (degradation.py), by model and "
+                                         "what changed (max_tokens, or only the quota)", ["model", "kind"],
+                                         registry=r)
         self.cancellations = Counter("flotilla_gateway_client_cancellations",
                                      "Requests whose client went away before the end", registry=r)
         self.safety_blocks = Counter("flotilla_gateway_safety_blocks",

@@ -149,7 +149,7 @@ async def _generate(request: Request, ctx: GatewayContext, plan: Plan) -> Respon
         hold_stream_slot(request, plan.principal)  # before admission: a refused stream holds no quota
     policy = await screen_prompt(ctx.safety, ctx.metrics, plan.principal, plan.model.tokenizer, plan.prompt_ids)
     admitted = await admit(request, ctx.gatekeeper, ctx.settings.admission, Dialect.OPENAI, plan.principal,
-                           request_id(request), len(plan.prompt_ids), sampling.max_tokens)
+                           request_id(request), len(plan.prompt_ids), sampling.max_tokens, model=plan.model.name)
     job = Job.create(request_id(request), plan.model, plan.principal, plan.prompt_ids, sampling,
                      arrival_time(request), admitted.ticket,
                      conversation_key(plan.principal.tenant, params.user, messages=getattr(params, "messages", ())))

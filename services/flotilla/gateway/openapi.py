@@ -29,6 +29,7 @@ from flotilla.gateway.auth import PRIORITY_HEADER
 from flotilla.gateway.batch_api import BatchGenerateRequest
 from flotilla.gateway.batch_jobs.anthropic_batches import CreateMessageBatch
 from flotilla.gateway.batch_jobs.openai_batches import MAX_PAGE, CreateBatchRequest
+from flotilla.gateway.degradation import DEGRADED_HEADER
 from flotilla.gateway.dialects import Dialect, dialect_for_path
 from flotilla.gateway.errors import ErrorKind
 from flotilla.gateway.idempotency import MAX_KEY_LENGTH
@@ -248,6 +249,10 @@ def _describe(operation: dict, method: str, path: str, dialect: Dialect) -> None
             content["text/event-stream"] = {"schema": shapes.SSE}
         responses.clear()
         responses["200"] = {"description": "OK", "content": content}
+        if spec.streams:  # the generation routes: degradation under load (degradation.py)
+            responses["200"]["headers"] = {DEGRADED_HEADER: {
+                "schema": {"type": "string"}, "description": "present when the fleet was overloaded and this "
+                "free-tier request was degraded: what applied, e.g. `max_tokens=64; tokens_per_minute=7500`"}}
         errors = spec.errors
         if "idempotency-key" in spec.headers:
             errors = tuple(sorted({*errors, *IDEMPOTENCY_ERRORS}))

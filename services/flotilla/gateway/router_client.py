@@ -36,6 +36,9 @@ class RouterBackend(Protocol):
 
     async def get_model_assets(self, digest: str) -> dict[str, bytes]: ...
 
+    # Optional: async queue_load(models) -> GetQueueLoadResponse, the router's queue wait per model
+    # (queue_load.py); a backend without it degrades nothing.
+
 
 class RouterStream:
     """One request's events from the router, each decoded once. Token chunks that have already arrived together
@@ -95,6 +98,10 @@ class RouterClient:
 
     async def batch_generate(self, call: router_pb2.BatchCall) -> router_pb2.BatchResult:
         return await self._batches.call(call)
+
+    async def queue_load(self, models: Sequence[str]) -> router_pb2.GetQueueLoadResponse:
+        return await self._stub.GetQueueLoad(router_pb2.GetQueueLoadRequest(models=models),
+                                             timeout=self._list_timeout_s)
 
     async def list_models(self) -> list[common.ModelInfo]:
         response = await self._stub.ListModels(router_pb2.ListModelsRequest(), timeout=self._list_timeout_s)

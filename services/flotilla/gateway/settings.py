@@ -7,6 +7,7 @@ from pathlib import Path
 
 from flotilla.rpc.tls import InternalTLS
 from flotilla.gateway.batch_jobs.settings import BatchSettings
+from flotilla.gateway.degradation import DegradationPolicy
 from flotilla.tenancy.admission_policy import AdmissionPolicy
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -29,6 +30,7 @@ class GatewaySettings:
     redis_url: str | None = None  # keys and quotas in Redis (shared by every gateway); else keys_file + local
     redis_fail_mode: str = "closed"  # Redis down: "closed" answers 503, "open" goes on with local limits
     admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)  # wait budgets, deadlines, weights
+    degradation: DegradationPolicy = field(default_factory=DegradationPolicy)  # free tier under load
     # Fault tolerance: the usage ledger goes to Redis (redis_url) or else to this JSON-lines file (None: off
     # without Redis); Idempotency-Key responses are kept this long; a resumable stream waits this long for
     # its client to reconnect.

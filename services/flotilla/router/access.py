@@ -23,6 +23,7 @@ ROUTER_POLICY: dict[str, tuple[str, ...]] = {
         "ListWorkers": ("operator",),
         "SetWorkerState": ("operator",),
         "GetPoolSignals": ("operator",),
+        "GetQueueLoad": _FRONT,  # gateways degrade free-tier requests on it (gateway/degradation.py)
         # The model registry (router/lifecycle_service.py): `flotilla models` and the operator's FlotillaModelRoute.
         "ListModelRoutes": ("operator",),
         "SetModelAlias": ("operator",),

@@ -181,12 +181,20 @@ class Admission:
     def estimated_wait_s(self, name: str, ticket: Ticket | None = None, long_lane: bool = False) -> float | None:
         """Tokens ahead (router queue + prompts not yet computed on the workers) / measured throughput;
         None while the fleet's throughput is unmeasured. `long_lane`: the ticket waits in the long-context lane."""
-        self._observe_throughput()
         queues = (self._long_queues if long_lane else self._queues).get(name)
+        return self._wait_behind(name, queues.tokens_ahead(ticket or Ticket()) if queues else 0)
+
+    def backlog_wait_s(self, name: str, priority: int = pb.PRIORITY_CLASS_INTERACTIVE) -> float | None:
+        """The wait behind everything queued (both lanes) in this class and those served before it, every tenant's:
+        an upper bound of any new request's estimated_wait_s in the class (fair queueing puts at most that ahead)."""
+        classes = CLASS_ORDER[: CLASS_ORDER.index(priority) + 1]
+        return self._wait_behind(name, sum(q.classes[c].num_tokens for q in self._lanes(name) for c in classes))
+
+    def _wait_behind(self, name: str, num_queued_tokens: int) -> float | None:
+        self._observe_throughput()
         workers = [e for e in self._registry.workers() if self._registry.is_healthy(e) and (
             e.model_name == name or self.shared.holds(e, name))]
-        ahead = (queues.tokens_ahead(ticket or Ticket()) if queues else 0) + sum(
-            self._registry.load_of(e).num_queued_tokens for e in workers)
+        ahead = num_queued_tokens + sum(self._registry.load_of(e).num_queued_tokens for e in workers)
         return with_load_time(estimated_wait_s(ahead, self.throughput.tokens_per_s(e.worker_id for e in workers)),
                               self.shared.expected_load_s(name))
 

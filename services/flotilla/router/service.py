@@ -26,6 +26,7 @@ from flotilla.router.failover import DEFAULT_MAX_ATTEMPTS, StreamProgress, Worke
 from flotilla.router.lifecycle_service import ModelLifecycleRpcs
 from flotilla.router.models import aliases_of
 from flotilla.router.pool_signals import pool_signals
+from flotilla.router.queue_load import queue_load
 from flotilla.router.registry import WorkerRegistry
 from flotilla.router.traffic import TrafficWindow
 from flotilla.router.telemetry import RouterMetrics, RouterRequestTelemetry
@@ -333,6 +334,11 @@ class RouterService(ModelLifecycleRpcs, router_pb2_grpc.RouterServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model needed")
         return pool_signals(request, self._registry, self.traffic, self._admission.queue_depth(request.model),
                             self._admission.queued_tokens(request.model))
+
+    async def GetQueueLoad(
+        self, request: rpb.GetQueueLoadRequest, context: grpc.aio.ServicerContext
+    ) -> rpb.GetQueueLoadResponse:
+        return queue_load(request, self._admission)
 
     async def ListModels(
         self, request: rpb.ListModelsRequest, context: grpc.aio.ServicerContext
