@@ -37,6 +37,16 @@ PROBE_TIMEOUT_S = 1.0
 LOST_ROUTER_STATUSES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 
 
+def rendezvous_score(address: str, model_name: str) -> int:
+    """A router's claim on a model: the router with the highest score owns it (the same in every process)."""
+    return int.from_bytes(hashlib.sha256(f"{address}\n{model_name}".encode()).digest()[:8], "big")
+
+
+def owner_order(addresses: Sequence[str], model_name: str) -> list[str]:
+    """The routers in the order a model's requests try them while all are up: its owner first."""
+    return sorted(addresses, key=lambda address: -rendezvous_score(address, model_name))
+
+
 @dataclass(eq=False)
 class _Router:
     client: RouterClient
@@ -67,8 +77,7 @@ class RouterPool:
 
         def rank(router: _Router) -> tuple[bool, bool, int]:
             listed = router.models is None or name in router.models
-            score = hashlib.sha256(f"{router.client.address}\n{name}".encode()).digest()
-            return router.down, not listed, -int.from_bytes(score[:8], "big")  # the highest score first
+            return router.down, not listed, -rendezvous_score(router.client.address, name)
 
         return [router.client for router in sorted(self._routers, key=rank)]
 
