@@ -2,7 +2,8 @@
 under 64 streams. Every stream completes with the text of an undisturbed run (those on the dead router,
 queued or streaming, are submitted again by the gateway to the other router with what they had received);
 a new request is served right after the kill; the launcher restarts the router, the workers register with it
-again, and the model's traffic goes back to its owner."""
+again, and the model's traffic goes back to its owner. A route change (`flotilla models alias`) is made on both
+routers, and the alias's requests go to the model's owner."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ import time
 import openai
 import pytest
 
-from flotilla.gateway.router_pool import owner_order
+from flotilla.api.router.v1 import router_pb2 as rpb
+from flotilla.api.router.v1 import router_pb2_grpc
+from flotilla.cli import main
+from flotilla.fleet.certs import FleetCerts
+from flotilla.rpc.options import sync_channel
+from flotilla.rpc.router_ownership import owner_order
 from flotilla.usage.record import STATUS_OPEN
 from flotilla.usage.sinks import read_file
 
@@ -87,6 +93,28 @@ def test_workers_register_with_both_routers_and_the_owner_serves_the_model(up):
     assert asyncio.run(one())
     wait_until(lambda: relayed_requests(up, owning) == before[0] + 1, 5, f"{owning} to count the request")
     assert relayed_requests(up, other) == before[1]
+
+
+def test_a_route_change_reaches_every_router_and_an_alias_shares_its_models_router(up, capsys):
+    assert main(["models", "--state-dir", str(up.state_dir), "alias", "chat", MODEL]) == 0
+    tls = FleetCerts(up.state_dir).client("operator", "routes-test")
+    for router in ROUTERS:
+        address = up.address_of(router)
+        with sync_channel(address, tls, "router") as channel:
+            routes = router_pb2_grpc.RouterServiceStub(channel).ListModelRoutes(rpb.ListModelRoutesRequest(), timeout=5)
+        assert {(a.alias, a.target) for a in routes.aliases} == {("chat", MODEL)}, router
+    owning, other = owner(up)
+    before = relayed_requests(up, owning), relayed_requests(up, other)
+
+    async def one() -> str:
+        async with client(up) as oai:
+            stream = await oai.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}],
+                                                       max_tokens=4, temperature=0, stream=True)
+            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    assert asyncio.run(one())
+    wait_until(lambda: relayed_requests(up, owning) == before[0] + 1, 5, f"{owning} to count the request")
+    assert relayed_requests(up, other) == before[1]  # the alias's requests queue with the model's
 
 
 def test_kill_9_of_the_owning_router_under_64_streams_every_stream_completes(up):

@@ -13,7 +13,8 @@ import pytest
 
 from flotilla.api.common.v1 import common_pb2 as common
 from flotilla.api.router.v1 import router_pb2, router_pb2_grpc
-from flotilla.gateway.router_pool import RouterPool, owner_order
+from flotilla.gateway.router_pool import RouterPool
+from flotilla.rpc.router_ownership import owner_order
 from flotilla.rpc.batch_session import serve_batch_session
 from flotilla.rpc.session_server import serve_session
 from flotilla.rpc.stream_events import Chunk, Finished

@@ -204,8 +204,6 @@ def autoscale_policy(settings: dict[str, Any]):
         return None
     if settings["decode"]:
         raise SystemExit("--autoscale scales role-both workers; it does not combine with --prefill/--decode yet")
-    if settings["routers"] > 1:
-        raise SystemExit("--autoscale sets worker states on one router; it does not combine with --routers > 1 yet")
     from flotilla.autoscaling.policy import PoolPolicy
 
     try:

@@ -128,7 +128,7 @@ class LocalFleet:
         from flotilla.autoscaler.supervisor import LocalSupervisor, SupervisorConfig
 
         config = SupervisorConfig(self.model_name, self.config.autoscale, self.config.autoscale_interval_s)
-        router = RouterClient(self.router_address, self.certs.client("operator", "autoscaler"))
+        router = RouterClient(self.router_addresses, self.certs.client("operator", "autoscaler"))
         self.supervisor = LocalSupervisor(config, router, FleetLauncher(self))
         if self.config.metrics:  # the supervisor runs in this process: its gauges get their own /metrics
             self._serve_autoscaler_metrics(self.supervisor)

@@ -2,8 +2,8 @@
 happens when that router is gone.
 
 Each model name is owned by one router at a time: the routers are ranked per model by rendezvous hashing of
-(router address, model name), the same ranking in every gateway that was given the same addresses, so that one
-router holds a model's queues and its tenants' fair shares. A router that failed a call with UNAVAILABLE, or
+(router address, model name) (rpc/router_ownership.py), the same ranking in every gateway that was given the same
+addresses, so that one router holds a model's queues and its tenants' fair shares. A router that failed a call with UNAVAILABLE, or
 did not answer the last probe (ListModels every probe_interval_s), ranks last until a probe reaches it again;
 a router that answers but does not list the model (it restarted and its workers have not registered again yet)
 ranks after those that do. A stream lost with its router is re-submitted to the next one (router_resume.py).
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from flotilla.api.common.v1 import common_pb2 as common
 from flotilla.api.router.v1 import router_pb2
 from flotilla.gateway.router_client import RouterClient
 from flotilla.gateway.router_resume import ResumingStream
+from flotilla.rpc.router_ownership import rendezvous_score
 from flotilla.rpc.tls import InternalTLS
 
 log = logging.getLogger(__name__)
@@ -35,16 +35,6 @@ PROBE_INTERVAL_S = 0.5
 PROBE_TIMEOUT_S = 1.0
 # A call that failed with these lost its router (killed, restarting, shut down under the call).
 LOST_ROUTER_STATUSES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
-
-
-def rendezvous_score(address: str, model_name: str) -> int:
-    """A router's claim on a model: the router with the highest score owns it (the same in every process)."""
-    return int.from_bytes(hashlib.sha256(f"{address}\n{model_name}".encode()).digest()[:8], "big")
-
-
-def owner_order(addresses: Sequence[str], model_name: str) -> list[str]:
-    """The routers in the order a model's requests try them while all are up: its owner first."""
-    return sorted(addresses, key=lambda address: -rendezvous_score(address, model_name))
 
 
 @dataclass(eq=False)
