@@ -3,10 +3,10 @@ happens when that router is gone.
 
 Each model name is owned by one router at a time: the routers are ranked per model by rendezvous hashing of
 (router address, model name) (rpc/router_ownership.py), the same ranking in every gateway that was given the same
-addresses, so that one router holds a model's queues and its tenants' fair shares. A router that failed a call with UNAVAILABLE, or
-did not answer the last probe (ListModels every probe_interval_s), ranks last until a probe reaches it again;
-a router that answers but does not list the model (it restarted and its workers have not registered again yet)
-ranks after those that do. A stream lost with its router is re-submitted to the next one (router_resume.py).
+addresses, so that one router holds a model's queues and its tenants' fair shares. A router that failed a call
+with UNAVAILABLE, or did not answer the last probe (ListModels every probe_interval_s), ranks last until a probe
+reaches it again; a router that answers but does not list the model (it restarted and its workers have not
+registered again yet) ranks after those that do. A stream lost with its router is re-submitted to the next one (router_resume.py).
 
 `routers_for(model)` / `router_for(model)` are the seam for code that talks to the router itself (placement);
 generate, batch_generate, list_models and get_model_assets are the RouterBackend the app uses.
