@@ -55,10 +55,6 @@ class RouterPool:
         self._probe_interval_s = probe_interval_s
         self._prober: asyncio.Task | None = None
 
-    @property
-    def clients(self) -> list[RouterClient]:
-        return [router.client for router in self._routers]
-
     # ---- the seam: which router serves a model -------------------------------------------------------
     def routers_for(self, model: str) -> list[RouterClient]:
         """Every router, the one that owns `model` first, then the one to fail over to, and so on."""
