@@ -33,8 +33,8 @@ def case(request) -> str:
 
 def test_every_case_renders_the_expected_pods(case):
     names = {name for name, _ in pods(case)}
-    for component in ("gateway", "router", "operator"):
-        assert f"Deployment/flotilla-{component}" in names, names
+    for workload in ("Deployment/flotilla-gateway", "StatefulSet/flotilla-router", "Deployment/flotilla-operator"):
+        assert workload in names, names
     # one decode pool per served model (pools are named <release>-<model slug>-<role>)
     workers = {n for n in names if n.endswith("-decode-workers")}
     pools = [doc for doc in rendered_case(case) if doc["kind"] == KIND]

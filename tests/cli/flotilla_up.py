@@ -48,12 +48,16 @@ class FlotillaUp:
 
     @property
     def router_address(self) -> str:
-        return f"127.0.0.1:{self.status()['services']['router']['port']}"
+        return self.address_of("router")
 
-    def router_workers(self) -> dict:
+    def address_of(self, service: str) -> str:
+        return f"127.0.0.1:{self.status()['services'][service]['port']}"
+
+    def router_workers(self, router: str = "router") -> dict:
         # `flotilla up` made its own CA in its state dir: speak to its router as an operator of that CA
         tls = FleetCerts(self.state_dir).client("operator", "chaos-test")
-        return router_workers(self.router_address, sync_channel(self.router_address, tls, "router"))
+        address = self.address_of(router)
+        return router_workers(address, sync_channel(address, tls, "router"))
 
     def kill(self, service: str) -> int:
         """kill -9 of one service; returns the pid killed."""

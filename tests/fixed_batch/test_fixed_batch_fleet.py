@@ -1,6 +1,7 @@
 """POST /v1/batch-generate through the real gateway, router and simulated fixed-batch worker processes:
 1,000 concurrent calls each get their own output; a worker killed with SIGKILL mid-batch has its batch run
-again on the other and every call answered once; deadlines, auth, idempotency and errors as on other routes."""
+again on the other and every call answered once; with two routers, the model's router killed mid-batch has its
+calls sent to the other by the gateway; deadlines, auth, idempotency and errors as on other routes."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections import Counter
 import httpx
 import pytest
 
+from flotilla.rpc.router_ownership import owner_order
 from flotilla.worker.fixed_batch.simulated import transform
 
 from tests.fixed_batch.fleet import MODEL, start_batch_fleet
@@ -105,3 +107,20 @@ async def test_a_worker_killed_mid_batch_has_its_calls_answered_once_by_the_othe
         assert attempts[("w1", 2)] >= 1 and all(worker == "w1" for worker, _ in attempts)  # w0 never answered
         assert sum(attempts.values()) == 60
         assert "w0" not in fleet.healthy_worker_ids()
+
+
+async def test_the_models_router_killed_mid_batch_has_its_calls_answered_by_the_other(tmp_path):
+    with start_batch_fleet(tmp_path, num_workers=1, num_routers=2,
+                           worker_args=("--max-batch-size", "50", "--batch-latency-ms", "1000")) as fleet:
+        owner_address = owner_order([r.address for r in fleet.routers], MODEL)[0]
+        (owner,) = [r for r in fleet.routers if r.address == owner_address]
+        inputs = [f"r{i}" for i in range(40)]
+        task = asyncio.create_task(post_all(fleet.url, [{"model": MODEL, "input": t} for t in inputs],
+                                            [fleet.headers("paid")] * 40))
+        worker = fleet.workers[0]
+        await asyncio.to_thread(wait_until, lambda: worker_load(worker).num_running == 1, 30,
+                                "the worker running the owner's batch", 0.02)
+        owner.kill()
+        responses = await task
+        assert Counter(r.status_code for r in responses) == {200: 40}
+        assert [r.json()["output"] for r in responses] == [transform(t) for t in inputs]

@@ -17,7 +17,7 @@ from flotilla.api.router.v1 import router_pb2_grpc
 from flotilla.gateway.app import create_app
 from flotilla.tenancy.keys import KeyEntry, KeyStore, generate_key, hash_key, write_keys_file
 from flotilla.gateway.metrics import GatewayMetrics
-from flotilla.gateway.router_client import RouterClient
+from flotilla.gateway.router_pool import RouterPool
 from flotilla.gateway.server import uvicorn_config
 from flotilla.gateway.settings import GatewaySettings
 from flotilla.usage.ledger import UsageLedger
@@ -88,8 +88,8 @@ class InProcessGateway:
         router_pb2_grpc.add_RouterServiceServicer_to_server(self.fake, grpc_server)
         router_port = grpc_server.add_insecure_port("127.0.0.1:0")
         await grpc_server.start()
-        self.settings = replace(self.settings, router_address=f"127.0.0.1:{router_port}")
-        client = RouterClient(self.settings.router_address)
+        self.settings = replace(self.settings, router_addresses=(f"127.0.0.1:{router_port}",))
+        client = RouterPool(self.settings.router_addresses)
         ledger = self.ledger = UsageLedger(self.ledger_sink).start() if self.ledger_sink is not None else None
         app = create_app(self.settings, client, KeyStore.from_file(self.keys_file), metrics=self.metrics,
                          ledger=ledger)

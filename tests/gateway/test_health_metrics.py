@@ -89,7 +89,7 @@ class _ModelsButNoRouter(RouterClient):
 
 
 async def test_unreachable_router(dead_address, checkpoint_dir):
-    settings = GatewaySettings(router_address=dead_address, retry_after_s=3)
+    settings = GatewaySettings(router_addresses=(dead_address,), retry_after_s=3)
     client = RouterClient(dead_address, list_timeout_s=0.5)
     app = create_app(settings, client, key_store=None)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as http:

@@ -60,7 +60,7 @@ class Clock:
 @pytest.fixture
 def fleet(tmp_path) -> LocalFleet:
     fleet = LocalFleet(FleetConfig(model_dir=tmp_path, state_dir=tmp_path))
-    fleet.router = ScriptedService("router", tmp_path / "router.log")
+    fleet.routers = [ScriptedService("router", tmp_path / "router.log")]
     fleet.gateway = ScriptedService("gateway", tmp_path / "gateway.log")
     fleet.workers = [ScriptedService(f"worker-{i}", tmp_path / f"worker-{i}.log") for i in range(2)]
     return fleet

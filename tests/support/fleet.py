@@ -1,6 +1,6 @@
 """The real fleet for tests: the one harness of the suites that start the services as processes on loopback.
 
-`start_fleet(fleet_config(...), ...)` starts router, workers and gateway with flotilla.fleet.local.LocalFleet
+`start_fleet(fleet_config(...), ...)` starts the router(s), workers and gateway with flotilla.fleet.local.LocalFleet
 (the code behind `flotilla up`) and adds what the suites need around it: API keys in a keys file or in Redis,
 more gateways on the same router, an OTLP receiver for the processes' traces, and a wait until every worker
 has registered. `start_service(...)` starts one service on its own (a router without workers, workers with
@@ -104,7 +104,7 @@ class Fleet:
         """One more gateway process on the fleet's router (the fleet's auth, then `args`), once it serves."""
         name = f"gateway-{len(self.gateways)}"
         gateway = _service(self.state_dir, name, ["gateway", "--host", "127.0.0.1", "--port", "0", "--router",
-                                                  self.fleet.router_address, *self._auth_args(),
+                                                  ",".join(self.fleet.router_addresses), *self._auth_args(),
                                                   *self.fleet.certs.args("gateway", name), *args])
         gateway.start()
         self.gateways.append(gateway)
@@ -195,8 +195,9 @@ def start_fleet(config: FleetConfig, keys: dict[str, tuple[str, str]] | None = N
             fleet.add_gateway(*args)
         num_workers = (config.num_workers + config.num_prefill_workers + config.num_decode_workers
                        + config.num_long_context_workers)
-        wait_until(lambda: fleet.num_healthy_workers() >= num_workers, READY_TIMEOUT_S,
-                   f"{num_workers} workers registered", interval_s=0.05)
+        for address in fleet.fleet.router_addresses:  # every worker registers with every router
+            wait_until(lambda: num_healthy_workers(address) >= num_workers, READY_TIMEOUT_S,
+                       f"{num_workers} workers registered with {address}", interval_s=0.05)
     except BaseException:
         fleet.stop()
         raise

@@ -15,7 +15,23 @@ app.kubernetes.io/component: {{ .component }}
 
 {{- define "flotilla.image" -}}{{ printf "%s:%s" .repository .tag }}{{- end -}}
 
-{{- define "flotilla.routerAddress" -}}{{ include "flotilla.name" . }}-router:{{ .Values.router.port }}{{- end -}}
+{{/* Every router's address, a comma list (what workers register with and gateways fail over between): the
+router Service for one replica, else each StatefulSet pod by its name on the headless Service. "qualified":
+names that resolve from other namespaces too. */}}
+{{- define "flotilla.routerAddresses" -}}
+{{- $name := include "flotilla.name" .root -}}
+{{- $suffix := ternary (printf ".%s.svc" .root.Release.Namespace) "" (default false .qualified) -}}
+{{- $router := .root.Values.router -}}
+{{- if le (int $router.replicas) 1 -}}
+{{ $name }}-router{{ $suffix }}:{{ $router.port }}
+{{- else -}}
+{{- $addresses := list -}}
+{{- range $i := until (int $router.replicas) -}}
+{{- $addresses = append $addresses (printf "%s-router-%d.%s-router-headless%s:%v" $name $i $name $suffix $router.port) -}}
+{{- end -}}
+{{ join "," $addresses }}
+{{- end -}}
+{{- end -}}
 
 {{/* The gateway's --redis-url; "" without Redis. Credentials come from Secrets through env vars
 (flotilla.redisEnv), expanded by the kubelet: they are in neither the pod spec nor a ConfigMap. */}}

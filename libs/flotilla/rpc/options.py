@@ -21,6 +21,9 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # A restarted peer (a router the launcher or Kubernetes brought back) is dialled again within 2 s, not after
+    # gRPC's default backoff of up to 2 minutes: workers register with it and gateways find it again.
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 
 SERVER_OPTIONS: list[tuple[str, int]] = [

@@ -1,5 +1,7 @@
 """kopf handlers for FlotillaModelRoute (model_route.py): apply the route on create/update/resume and again on
-a timer, writing what the router holds now into the status."""
+a timer, writing what the router holds now into the status. With several routers (a comma list of addresses) the
+route is applied to each: every router routes the model the same way, and one that restarted (forgetting its
+routes) gets it back at the next timer run. The status is the first router's; `blocked` is any router's."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from flotilla.operator.config import OperatorConfig
 from flotilla.operator.model_route import PLURAL, InvalidRouteSpec, apply, parse_route_spec
 from flotilla.operator.pool_spec import GROUP, VERSION
 from flotilla.rpc.options import sync_channel
+from flotilla.rpc.router_ownership import split_addresses
 from flotilla.rpc.tls import InternalTLS
 
 
@@ -36,9 +39,11 @@ def register_model_route_handlers(registry: kopf.OperatorRegistry, config: Opera
             patch.status["blocked"] = "no router address (spec.routerAddress or FLOTILLA_ROUTER_ADDRESS)"
             return
         try:
-            status = apply(stub_for(address), route)
+            statuses = [apply(stub_for(one), route) for one in split_addresses(address)]
         except grpc.RpcError as error:
             raise kopf.TemporaryError(f"router unreachable: {error.code()}", delay=config.interval_s)
+        status = statuses[0]
+        status["blocked"] = next((s["blocked"] for s in statuses if s["blocked"]), None)
         for key, value in status.items():
             patch.status[key] = value
         for detail in status.get("lastApplied") or ():

@@ -7,6 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
+from flotilla.cli.router_flags import add_router_flag, router_addresses
 from flotilla.cli.tls_flags import add_tls_flags, internal_tls
 from flotilla.gateway.batch_jobs.settings import BatchSettings
 from flotilla.gateway.degradation import DegradationPolicy
@@ -15,7 +16,8 @@ from flotilla.gateway.settings import DEFAULT_MAX_BODY_BYTES, TOOL_CALL_PARSERS,
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     run = subparsers.add_parser("gateway", help="run the HTTP gateway (OpenAI- and Anthropic-compatible)")
-    run.add_argument("--router", required=True, help="router address, host:port")
+    add_router_flag(run, "router address (each model's requests go to one router, failing over to the next)",
+                    required=True)
     run.add_argument("--host", default="127.0.0.1")
     run.add_argument("--port", type=int, default=8000, help="0: pick a free port and announce it")
     run.add_argument("--port-file", default=None, help="write the bound port here once listening")
@@ -113,7 +115,7 @@ def _run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = GatewaySettings(host=args.host, port=args.port, port_file=args.port_file,
-                               router_address=args.router,
+                               router_addresses=router_addresses(args.router),
                                keys_file=None if args.no_auth else args.keys_file,
                                max_body_bytes=args.max_body_bytes, default_model=args.default_model,
                                model_refresh_s=args.model_refresh_s, redis_url=args.redis_url,

@@ -1,5 +1,10 @@
 """`flotilla models list | alias | rollout | promote | rollback | status`: the router's model registry at run
-time (router/model_routes.py), over the router's gRPC API. Every change prints the route it left."""
+time (router/model_routes.py), over the router's gRPC API. Every change prints the route it left.
+
+With several routers (--router repeated or a comma list; `flotilla up --routers N`'s port files) a change is made
+on every router, in order, so that whichever router owns the model routes it the same way; it stops at the
+first router that refuses it (and says which). list and status read the model's owner (rpc/router_ownership.py),
+where its traffic is."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from flotilla.cli.router_flags import add_router_flag, router_addresses
 from flotilla.cli.tls_flags import add_tls_flags
 
 EXIT_REFUSED = 1
@@ -17,8 +23,8 @@ EXIT_REFUSED = 1
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     models = subparsers.add_parser("models", help="model versions, aliases and rollouts in a running router")
-    models.add_argument("--router", default=None, help="router host:port (default: $FLOTILLA_ROUTER_ADDRESS, else "
-                        "the router of `flotilla up` in --state-dir)")
+    add_router_flag(models, "router host:port (default: $FLOTILLA_ROUTER_ADDRESS, else the routers of "
+                    "`flotilla up` in --state-dir); a change is made on every router")
     models.add_argument("--state-dir", default=os.environ.get("FLOTILLA_STATE_DIR", ".flotilla"),
                         help="where `flotilla up` wrote its port files (default %(default)s)")
     models.add_argument("--timeout-s", type=float, default=5.0)
@@ -70,32 +76,41 @@ def run_models(args: argparse.Namespace) -> int:
     from flotilla.api.router.v1 import router_pb2_grpc
 
     command = args.models_command
-    address = router_address(args)
-    if address is None:
+    addresses = routers_of(args)
+    if not addresses:
         print("flotilla models: no router: pass --router HOST:PORT (or run it next to `flotilla up`)", file=sys.stderr)
         return 2
     if command == "alias" and not args.delete and not args.target:
         print("flotilla models alias: give a TARGET or --delete", file=sys.stderr)
         return 2
-    with _router_channel(args, address) as channel:
-        stub = router_pb2_grpc.RouterServiceStub(channel)
-        calls = {
-            "list": lambda: stub.ListModelRoutes(rpb.ListModelRoutesRequest(), timeout=args.timeout_s),
-            "alias": lambda: stub.SetModelAlias(rpb.SetModelAliasRequest(
-                alias=args.alias, target="" if args.delete else args.target), timeout=args.timeout_s),
-            "rollout": lambda: stub.SetModelRollout(rpb.SetModelRolloutRequest(
-                model=args.model, version=args.version, weight_percent=args.weight), timeout=args.timeout_s),
-            "promote": lambda: stub.PromoteModel(rpb.PromoteModelRequest(model=args.model), timeout=args.timeout_s),
-            "rollback": lambda: stub.RollbackModel(rpb.RollbackModelRequest(model=args.model),
-                                                   timeout=args.timeout_s),
-            "status": lambda: stub.GetModelStatus(rpb.GetModelStatusRequest(
-                model=args.model, window_s=args.window_s), timeout=args.timeout_s),
-        }
-        try:
-            answer = calls[command]()
-        except grpc.RpcError as err:
-            print(f"flotilla models {command}: {err.code().name}: {err.details()}", file=sys.stderr)
-            return EXIT_REFUSED
+    if command in ("list", "status"):  # one answer: the model's owner's (where its traffic and stats are)
+        from flotilla.rpc.router_ownership import owner_order
+
+        addresses = owner_order(addresses, getattr(args, "model", ""))[:1]
+    answer = None
+    for address in addresses:
+        with _router_channel(args, address) as channel:
+            stub = router_pb2_grpc.RouterServiceStub(channel)
+            calls = {
+                "list": lambda: stub.ListModelRoutes(rpb.ListModelRoutesRequest(), timeout=args.timeout_s),
+                "alias": lambda: stub.SetModelAlias(rpb.SetModelAliasRequest(
+                    alias=args.alias, target="" if args.delete else args.target), timeout=args.timeout_s),
+                "rollout": lambda: stub.SetModelRollout(rpb.SetModelRolloutRequest(
+                    model=args.model, version=args.version, weight_percent=args.weight), timeout=args.timeout_s),
+                "promote": lambda: stub.PromoteModel(rpb.PromoteModelRequest(model=args.model),
+                                                     timeout=args.timeout_s),
+                "rollback": lambda: stub.RollbackModel(rpb.RollbackModelRequest(model=args.model),
+                                                       timeout=args.timeout_s),
+                "status": lambda: stub.GetModelStatus(rpb.GetModelStatusRequest(
+                    model=args.model, window_s=args.window_s), timeout=args.timeout_s),
+            }
+            try:
+                reply = calls[command]()
+            except grpc.RpcError as err:
+                where = f" (router {address}; the routers before it took the change)" if address != addresses[0] else ""
+                print(f"flotilla models {command}: {err.code().name}: {err.details()}{where}", file=sys.stderr)
+                return EXIT_REFUSED
+        answer = reply if answer is None else answer  # what the first router left is printed
     if args.json:
         from google.protobuf.json_format import MessageToDict
 
@@ -111,13 +126,15 @@ def run_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def router_address(args: argparse.Namespace) -> str | None:
+def routers_of(args: argparse.Namespace) -> tuple[str, ...]:
     if args.router or os.environ.get("FLOTILLA_ROUTER_ADDRESS"):
-        return args.router or os.environ["FLOTILLA_ROUTER_ADDRESS"]
+        return router_addresses(args.router or os.environ["FLOTILLA_ROUTER_ADDRESS"])
     from flotilla.rpc.options import read_port_file
 
-    port = read_port_file(Path(args.state_dir) / "ports" / "router.port")
-    return f"127.0.0.1:{port}" if port is not None else None
+    ports = Path(args.state_dir) / "ports"  # router.port, or router-0.port, router-1.port, ...
+    port_files = [ports / "router.port", *sorted(ports.glob("router-[0-9]*.port"), key=lambda p: p.name)]
+    found = (read_port_file(path) for path in port_files if not path.name.endswith(".metrics.port"))
+    return tuple(f"127.0.0.1:{port}" for port in found if port is not None)
 
 
 def short(version: str) -> str:

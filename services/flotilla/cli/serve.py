@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from flotilla.cli.router_flags import add_router_flag, router_addresses
 from flotilla.cli.tls_flags import add_tls_flags, internal_tls
 from flotilla.rpc.serving import run_service
 from flotilla.worker.check_settings import CheckSettings
@@ -20,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     worker.add_argument("--model-dir", default=None,
                         help="Hugging Face checkpoint directory (required by the engine and the engine run_batch)")
     worker.add_argument("--model-name", default="", help="served name (default: the directory's name)")
-    worker.add_argument("--router", default=None, help="router host:port to register with")
+    add_router_flag(worker, "router to register with and report load to (every router given)")
     worker.add_argument("--worker-id", default="", help="default: worker-<random>")
     worker.add_argument("--advertise-host", default=None, help="host the router dials (default: --host)")
     worker.add_argument("--device", default="auto", help="auto: cuda when present, else cpu")
@@ -196,7 +197,7 @@ def run_worker(args: argparse.Namespace) -> int:
         advertise_host=args.advertise_host,
         worker_id=args.worker_id,
         model_name=args.model_name,
-        router_address=args.router,
+        routers=router_addresses(args.router),
         shutdown_grace_s=args.shutdown_grace_s,
         stream_interval_s=args.stream_interval_ms / 1000,
         metrics_port=args.metrics_port,
@@ -252,7 +253,7 @@ def run_fixed_batch_worker(args: argparse.Namespace) -> int:
             options=BatchOptions(args.max_batch_size, args.batch_latency_ms, args.model_dir, args.max_tokens,
                                  args.device),
             host=args.host, port=args.port, port_file=args.port_file, advertise_host=args.advertise_host,
-            worker_id=args.worker_id, router_address=args.router, shutdown_grace_s=args.shutdown_grace_s,
+            worker_id=args.worker_id, routers=router_addresses(args.router), shutdown_grace_s=args.shutdown_grace_s,
             tls=internal_tls(args, "worker"))
     except ValueError as err:
         raise SystemExit(f"flotilla worker: {err}") from None

@@ -27,6 +27,7 @@ DEFAULTS: dict[str, Any] = {
     "host": "127.0.0.1",
     "port": 8080,
     "workers": 1,
+    "routers": 1,  # > 1: every worker registers with each, the gateway fails over between them
     "api_key": None,  # default: a fresh key each start (only its digest is written to disk)
     "redis_url": None,  # keys and quotas in Redis (the key "local" is put there); default: keys file
     "worker_args": [],
@@ -64,6 +65,7 @@ ENV_VARS = {
     "host": "FLOTILLA_HOST",
     "port": "FLOTILLA_PORT",
     "workers": "FLOTILLA_WORKERS",
+    "routers": "FLOTILLA_ROUTERS",
     "api_key": "FLOTILLA_API_KEY",
     "redis_url": "FLOTILLA_REDIS_URL",
 }
@@ -79,6 +81,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--host", help="address every service binds (default 127.0.0.1)")
     up.add_argument("--port", type=int, help="gateway port (default 8080, or $FLOTILLA_PORT)")
     up.add_argument("--workers", type=int, help="number of workers (role both)")
+    up.add_argument("--routers", type=int, help="number of routers (default 1); workers register with every one, "
+                    "the gateway sends each model to one of them and fails over to the next")
     up.add_argument("--worker-arg", action="append", dest="worker_args", help="extra `flotilla worker` flag")
     up.add_argument("--prefill", type=int, help="disaggregated: number of prefill workers (needs --decode)")
     up.add_argument("--decode", type=int, help="disaggregated: number of decode workers (KV arrives over NIXL)")
@@ -126,6 +130,9 @@ def resolve_settings(args: argparse.Namespace, environ: dict[str, str] | None = 
             settings[key] = value
     settings["port"] = int(settings["port"])
     settings["workers"] = int(settings["workers"])
+    settings["routers"] = int(settings["routers"])
+    if settings["routers"] < 1:
+        raise SystemExit("--routers must be >= 1")
     settings["prefill"], settings["decode"] = int(settings["prefill"]), int(settings["decode"])
     if settings["prefill"] < 0 or settings["decode"] < 0 or (settings["prefill"] and not settings["decode"]):
         raise SystemExit("--prefill needs --decode >= 1 (a prefill worker only hands KV to decode workers)")
@@ -181,6 +188,7 @@ def run_up(args: argparse.Namespace) -> int:
             model_name=settings["model_name"],
             host=settings["host"],
             gateway_port=settings["port"],
+            num_routers=settings["routers"],
             # --min-workers 0 still starts one worker: the gateway lists the model (and keeps it known) before the
             # supervisor may scale the idle pool to zero; the next request then cold-starts it.
             num_workers=max(1, settings["min_workers"]) if autoscale else settings["workers"],

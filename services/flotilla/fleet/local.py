@@ -1,4 +1,5 @@
-"""The whole fleet on one machine: router, workers and gateway as separate processes on loopback."""
+"""The whole fleet on one machine: router(s), workers and gateway as separate processes on loopback. With several
+routers every worker registers with each and the gateway is given them all (gateway/router_pool.py)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class FleetConfig:
     model_name: str = ""  # default: the checkpoint directory's name
     host: str = "127.0.0.1"
     gateway_port: int = 0  # 0: any free port
+    num_routers: int = 1  # more than one: named router-0, router-1, ...; else "router"
     num_workers: int = 1
     # Disaggregated serving: workers with role prefill / decode (KV over NIXL), in addition to num_workers.
     num_prefill_workers: int = 0
@@ -64,11 +66,10 @@ class FleetConfig:
 class LocalFleet:
     def __init__(self, config: FleetConfig):
         self.config = config
-        self.router: ServiceProcess | None = None
+        self.routers: list[ServiceProcess] = []
         self.workers: list[ServiceProcess] = []
         self.shared_workers: list[ServiceProcess] = []  # the shared pool's (the autoscaler never scales them)
         self.gateway: ServiceProcess | None = None
-        self.router_address = ""
         self.gateway_url = ""
         self._next_worker = 0
         # Held while the worker list changes (the autoscaler's thread) or is acted on (the restarting loop).
@@ -78,13 +79,27 @@ class LocalFleet:
         self.certs = FleetCerts(config.state_dir, config.ca, config.insecure_internal)
 
     @property
+    def router(self) -> ServiceProcess | None:
+        """The first router (the only one unless num_routers > 1)."""
+        return self.routers[0] if self.routers else None
+
+    @property
+    def router_addresses(self) -> list[str]:
+        """host:port of every router, in the order workers and the gateway are given them."""
+        return [f"{self.config.host}:{router.port}" for router in self.routers]
+
+    @property
+    def router_address(self) -> str:
+        return self.router_addresses[0] if self.routers else ""
+
+    @property
     def model_name(self) -> str:
         return self.config.model_name or Path(self.config.model_dir).name
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> LocalFleet:
         """Start every service and return once the gateway serves the model; stops all on failure."""
         try:
-            self._start_router(timeout_s)
+            self._start_routers(timeout_s)
             for _ in range(self.config.num_workers):
                 self.start_worker(wait=False)
             for role, count in (("prefill", self.config.num_prefill_workers), ("decode", self.config.num_decode_workers)):
@@ -112,15 +127,20 @@ class LocalFleet:
         return ServiceProcess(name, args, state / "logs" / f"{name}.log", state / "ports" / f"{name}.port",
                               dict(self.config.env), keep_port=keep_port)
 
-    def _start_router(self, timeout_s: float) -> None:
+    def _start_routers(self, timeout_s: float) -> None:
+        count = self.config.num_routers
+        names = ["router"] if count == 1 else [f"router-{i}" for i in range(count)]
         threshold = self.config.long_context_threshold
-        args = ["router", "--host", self.config.host, "--model", self.model_name, *self._metrics_args("router"),
-                *self.certs.args("router", "router"),
-                *(["--long-context-threshold", f"{self.model_name}={threshold}"] if threshold else []),
-                *self.config.router_args]
-        self.router = self._service("router", args, keep_port=True)  # workers and gateways dial this address
-        self.router.start()
-        self.router_address = f"{self.config.host}:{self.router.wait_port(timeout_s)}"
+        for name in names:
+            args = ["router", "--host", self.config.host, "--model", self.model_name, *self._metrics_args(name),
+                    *self.certs.args("router", name),
+                    *(["--long-context-threshold", f"{self.model_name}={threshold}"] if threshold else []),
+                    *self.config.router_args]
+            router = self._service(name, args, keep_port=True)  # workers and gateways dial this address
+            router.start()
+            self.routers.append(router)
+        for router in self.routers:
+            router.wait_port(timeout_s)
 
     def _start_supervisor(self) -> None:
         from flotilla.fleet.launcher import FleetLauncher
@@ -128,7 +148,7 @@ class LocalFleet:
         from flotilla.autoscaler.supervisor import LocalSupervisor, SupervisorConfig
 
         config = SupervisorConfig(self.model_name, self.config.autoscale, self.config.autoscale_interval_s)
-        router = RouterClient(self.router_address, self.certs.client("operator", "autoscaler"))
+        router = RouterClient(self.router_addresses, self.certs.client("operator", "autoscaler"))
         self.supervisor = LocalSupervisor(config, router, FleetLauncher(self))
         if self.config.metrics:  # the supervisor runs in this process: its gauges get their own /metrics
             self._serve_autoscaler_metrics(self.supervisor)
@@ -162,7 +182,8 @@ class LocalFleet:
             name = self.next_worker_id()
             self._next_worker += 1
             args = [
-                "worker", "--host", self.config.host, "--router", self.router_address, "--worker-id", name,
+                "worker", "--host", self.config.host, "--router", ",".join(self.router_addresses),
+                "--worker-id", name,
                 "--model-dir", str(self.config.model_dir), "--model-name", self.model_name,
                 *self._metrics_args(name), *self.certs.args("worker", name),
                 *self.config.worker_args, *(extra_args or []),
@@ -176,7 +197,7 @@ class LocalFleet:
 
     def _start_shared_worker(self, name: str) -> None:
         args = [
-            "worker", "--host", self.config.host, "--router", self.router_address, "--worker-id", name,
+            "worker", "--host", self.config.host, "--router", ",".join(self.router_addresses), "--worker-id", name,
             "--shared-models", ",".join(self.config.shared_pool_models),
             "--max-loaded-models", str(self.config.shared_pool_max_loaded),
             *self._metrics_args(name), *self.certs.args("worker", name), *self.config.worker_args,
@@ -191,7 +212,8 @@ class LocalFleet:
             auth = ["--redis-url", self.config.redis_url]
         args = [
             "gateway", "--host", self.config.host, "--port", str(self.config.gateway_port),
-            "--router", self.router_address, *auth, *self.certs.args("gateway", "gateway"), *self._metrics_args("gateway"),
+            "--router", ",".join(self.router_addresses), *auth, *self.certs.args("gateway", "gateway"),
+            *self._metrics_args("gateway"),
             *self.config.gateway_args,
         ]  # fmt: skip
         self.gateway = self._service("gateway", args, keep_port=True)  # clients do
@@ -214,7 +236,7 @@ class LocalFleet:
         targets = {}
         if self._autoscaler_metrics is not None:
             targets["autoscaler"] = f"{self.config.host}:{self._autoscaler_metrics.port}"
-        for service in [self.gateway, self.router, *self.workers, *self.shared_workers]:
+        for service in [self.gateway, *self.routers, *self.workers, *self.shared_workers]:
             port = read_port_file(self._metrics_port_file(service.name)) if service is not None else None
             if port is not None and service.is_running():
                 targets[service.name] = f"{self.config.host}:{port}"
@@ -237,10 +259,10 @@ class LocalFleet:
 
     def services(self) -> list[ServiceProcess]:
         with self.lock:
-            return [s for s in [self.gateway, *self.workers, *self.shared_workers, self.router] if s is not None]
+            return [s for s in [self.gateway, *self.workers, *self.shared_workers, *self.routers] if s is not None]
 
     def stop(self) -> None:
-        """Front to back: the gateway stops taking requests first, the router last."""
+        """Front to back: the gateway stops taking requests first, the routers last."""
         if self.supervisor is not None:
             self.supervisor.stop()  # no scaling while the fleet goes down
             self.supervisor = None

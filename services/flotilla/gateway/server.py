@@ -1,4 +1,4 @@
-"""Runs the gateway: router client, key store, app, uvicorn."""
+"""Runs the gateway: router pool, key store, app, uvicorn."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from flotilla.gateway.batch_jobs.redis_store import RedisBatchStore
 from flotilla.gateway.fault_tolerance import FaultTolerance
 from flotilla.gateway.metrics import GatewayMetrics
 from flotilla.tenancy.keys import KeyStore
-from flotilla.gateway.router_client import RouterClient
+from flotilla.gateway.router_pool import RouterPool
 from flotilla.gateway.settings import GatewaySettings
 from flotilla.tenancy.gatekeeper import FailMode, Gatekeeper, open_gatekeeper
 
@@ -51,7 +51,7 @@ def uvicorn_config(app, settings: GatewaySettings, **options) -> uvicorn.Config:
 async def serve(settings: GatewaySettings, sockets: list[socket.socket] | None = None) -> None:
     """Serve until interrupted; `sockets` lets a caller bind first (port 0, tests)."""
     gatekeeper = load_gatekeeper(settings)
-    backend = RouterClient(settings.router_address, settings.router_timeout_s, settings.router_tls)
+    backend = RouterPool(settings.router_addresses, settings.router_timeout_s, settings.router_tls)
     tolerance = FaultTolerance.open(settings)  # usage ledger, idempotency, resumable streams
     metrics = GatewayMetrics()
     metrics_server = None

@@ -19,7 +19,8 @@ class GatewaySettings:
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port, announced on stdout and in port_file
     port_file: str | None = None
-    router_address: str = "127.0.0.1:50051"
+    # Every router (host:port); each model's requests go to one of them, failing over to the next (router_pool.py).
+    router_addresses: tuple[str, ...] = ("127.0.0.1:50051",)
     keys_file: Path | None = None  # None: authentication disabled (local runs only)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     default_model: str | None = None  # used when a request names no model

@@ -21,7 +21,7 @@ class WorkerConfig:
     advertise_host: str | None = None  # the host the router dials; defaults to `host`
     worker_id: str = ""  # default: worker-<random>
     model_name: str = ""  # default: the checkpoint directory's name
-    router_address: str | None = None  # host:port; None = serve alone, unregistered
+    routers: tuple[str, ...] = ()  # host:port of every router to register with; none: serve alone, unregistered
     heartbeat_interval_s: float = 0.25  # until the router says otherwise
     shutdown_grace_s: float = 5.0  # streams still running after this are aborted
     # Release running requests' tokens at the first step this long after the previous release, the same step

@@ -1,13 +1,14 @@
 """Keeps a worker registered with the router: register, send the model's tokenizer files when the router asks
 (gateways read them from it), heartbeat with a LoadReport every interval, register again when the router says
-it does not know us (it restarted or dropped us), deregister on stop."""
+it does not know us (it restarted or dropped us), deregister on stop. With several routers (RouterLinks) the
+worker does all of it with each of them on its own: every router's registry is rebuilt from the workers."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 
@@ -112,3 +113,26 @@ class RouterLink:
         chunks = asset_chunks(self._worker.model.assets_digest, self._tokenizer_files)
         await self._stub.PublishModelAssets(chunks, timeout=PUBLISH_TIMEOUT_S)
         logger.info("sent the model's tokenizer files to the router")
+
+
+class RouterLinks:
+    """One RouterLink per router: each registers, reports and re-registers on its own, so that a router that is
+    down or restarting delays none of the others."""
+
+    def __init__(self, router_addresses: Sequence[str], worker: rpb.WorkerInfo,
+                 current_load: Callable[[], pb.LoadReport], heartbeat_interval_s: float = 0.25,
+                 tokenizer_files: Mapping[str, bytes] | None = None, tls: InternalTLS | None = None,
+                 shared_assets: Mapping[str, Mapping[str, bytes]] | None = None):
+        self.links = [RouterLink(address, worker, current_load, heartbeat_interval_s, tokenizer_files, tls,
+                                 shared_assets) for address in router_addresses]
+
+    def start(self) -> None:
+        for link in self.links:
+            link.start()
+
+    def report_now(self) -> None:
+        for link in self.links:
+            link.report_now()
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(link.stop() for link in self.links))

@@ -19,7 +19,7 @@ from flotilla.worker.access import WORKER_POLICY
 from flotilla.worker.config import WorkerConfig
 from flotilla.worker.kv_wiring import attach_kv_transfer, role_proto
 from flotilla.worker.output_check import OutputCheck
-from flotilla.worker.registration import RouterLink
+from flotilla.worker.registration import RouterLinks
 from flotilla.worker.service import WorkerService, current_load, model_info
 from flotilla.worker.telemetry import WorkerMetrics
 
@@ -65,7 +65,7 @@ async def serve(
     finally:
         if metrics_server is not None:
             metrics_server.stop()
-        # Leave the router first so that no new work arrives, then let running streams finish.
+        # Leave the routers first so that no new work arrives, then let running streams finish.
         logger.info("worker %s stopping", worker_id)
         if link is not None:
             await link.stop()
@@ -96,8 +96,8 @@ def _with_check(load: pb.LoadReport, check: OutputCheck | None) -> pb.LoadReport
 def _router_link(
     config: WorkerConfig, worker_id: str, model: pb.ModelInfo, tokenizer_files: Mapping[str, bytes], port: int,
     current_load: Callable[[], pb.LoadReport],
-) -> RouterLink | None:
-    if not config.router_address:
+) -> RouterLinks | None:
+    if not config.routers:
         return None
     info = rpb.WorkerInfo(
         worker_id=worker_id,
@@ -106,7 +106,6 @@ def _router_link(
         model=model,
         pool=config.pool,
     )
-    link = RouterLink(config.router_address, info, current_load, config.heartbeat_interval_s, tokenizer_files,
-                      config.tls)
+    link = RouterLinks(config.routers, info, current_load, config.heartbeat_interval_s, tokenizer_files, config.tls)
     link.start()
     return link

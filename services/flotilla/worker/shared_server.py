@@ -27,7 +27,7 @@ from flotilla.rpc.serving import announce, stop_on_signals
 from flotilla.worker.access import WORKER_POLICY
 from flotilla.worker.config import WorkerConfig
 from flotilla.worker.model_cache import ModelCache
-from flotilla.worker.registration import RouterLink
+from flotilla.worker.registration import RouterLinks
 from flotilla.worker.service import WorkerService
 from flotilla.worker.shared_catalog import CatalogEntry, read_catalog
 from flotilla.worker.shared_memory import checkpoint_bytes, slot_kv_budget
@@ -47,7 +47,7 @@ async def serve_shared(config: WorkerConfig, stop: asyncio.Event | None = None) 
     changes = Counter("flotilla_worker_shared_model_changes", "Shared-pool loads and unloads by model",
                       ["model", "change"], registry=metrics.registry)
     retired = RetiredTotals()
-    link: RouterLink | None = None
+    link: RouterLinks | None = None
 
     kv_budget = _kv_budget(config)
 
@@ -80,7 +80,7 @@ async def serve_shared(config: WorkerConfig, stop: asyncio.Event | None = None) 
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(service, server)
     port = bind(server, config.host, config.port, config.tls)
     await server.start()
-    if config.router_address:
+    if config.routers:
         link = _router_link(config, worker_id, catalog, port, service)
     metrics_server = None
     if config.metrics_port is not None:
@@ -117,13 +117,13 @@ def _kv_budget(config: WorkerConfig):
 
 
 def _router_link(config: WorkerConfig, worker_id: str, catalog: dict[str, CatalogEntry], port: int,
-                 service: SharedWorkerService) -> RouterLink:
+                 service: SharedWorkerService) -> RouterLinks:
     info = rpb.WorkerInfo(worker_id=worker_id, address=address(config.advertise_host or config.host, port),
                           role=pb.WORKER_ROLE_BOTH,
                           shared=rpb.SharedModels(models=[e.info for e in catalog.values()],
                                                   max_loaded_models=config.max_loaded_models))
     assets = {e.info.assets_digest: e.tokenizer_files for e in catalog.values()}
-    link = RouterLink(config.router_address, info, service.current_load, config.heartbeat_interval_s,
+    link = RouterLinks(config.routers, info, service.current_load, config.heartbeat_interval_s,
                       tls=config.tls, shared_assets=assets)
     link.start()
     return link

@@ -34,7 +34,7 @@ async def test_corrupted_weight_marks_the_worker_unhealthy_at_the_router(tiny_ch
         return engines[0]
 
     config = WorkerConfig(engine=engine_config(tiny_checkpoint), worker_id="w-check", model_name="tiny",
-                          router_address=router.address, port_file=str(tmp_path / "worker.port"),
+                          routers=(router.address,), port_file=str(tmp_path / "worker.port"),
                           heartbeat_interval_s=0.1, output_check=CheckSettings(interval_s=0.2, busy_interval_s=0.2),
                           tls=client_tls("worker", "w-check"))
     stop = asyncio.Event()

@@ -1,5 +1,5 @@
 """Fixed-batch worker process wiring: load run_batch, serve FixedBatchService, register with the router
-(worker/registration.py's RouterLink, WorkerInfo.fixed_batch set), stop on SIGTERM."""
+(worker/registration.py's RouterLinks, WorkerInfo.fixed_batch set), stop on SIGTERM."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from flotilla.rpc.tls import InternalTLS
 from flotilla.worker.access import WORKER_POLICY
 from flotilla.worker.fixed_batch.contract import SIMULATED, BatchOptions, RunBatch, load_run_batch
 from flotilla.worker.fixed_batch.service import FixedBatchProbes, FixedBatchService
-from flotilla.worker.registration import RouterLink
+from flotilla.worker.registration import RouterLinks
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class FixedBatchConfig:
     port_file: str | None = None
     advertise_host: str | None = None
     worker_id: str = ""
-    router_address: str | None = None
+    routers: tuple[str, ...] = ()  # every router it registers with
     heartbeat_interval_s: float = 0.25
     shutdown_grace_s: float = 5.0  # a batch still running after this is cut; the router re-dispatches it
     tls: InternalTLS | None = None  # mTLS for its server and its router channel; None: insecure
@@ -66,12 +66,12 @@ async def serve(config: FixedBatchConfig, stop: asyncio.Event | None = None) -> 
     port = bind(server, config.host, config.port, config.tls)
     await server.start()
     link = None
-    if config.router_address:
+    if config.routers:
         info = rpb.WorkerInfo(worker_id=worker_id, address=address(config.advertise_host or config.host, port),
                               role=pb.WORKER_ROLE_BOTH, model=model,
                               fixed_batch=rpb.FixedBatchInfo(max_batch_size=config.options.max_batch_size,
                                                              batch_latency_ms=round(config.options.batch_latency_ms)))
-        link = RouterLink(config.router_address, info, service.load, config.heartbeat_interval_s, tls=config.tls)
+        link = RouterLinks(config.routers, info, service.load, config.heartbeat_interval_s, tls=config.tls)
         link.start()
     announce("worker", config.host, port, config.port_file)
     logger.info("fixed-batch worker %s serving %s (%s, B=%d)", worker_id, model.name, config.run_batch,
