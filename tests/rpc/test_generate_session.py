@@ -11,7 +11,7 @@ import pytest
 
 from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.worker.v1 import worker_pb2_grpc
-from flotilla.router.failover import LOST_STATUSES
+from flotilla.rpc.failover import LOST_STATUSES
 from flotilla.rpc.session_client import SessionClient
 from flotilla.rpc.session_server import serve_session
 

@@ -47,6 +47,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "first and last tokens at once")
     worker.add_argument("--shutdown-grace-s", type=float, default=5.0,
                         help="SIGTERM: running streams may finish this long, then they move to another worker")
+    worker.add_argument("--lease-secret-file", default=None, metavar="PATH",
+                        help="the router's lease secret: serve only streams with a valid placement lease for this "
+                             "worker, from its router or from gateways (default: none; only the router may open "
+                             "streams)")
     worker.add_argument("--role", choices=("both", "prefill", "decode"), default="both",
                         help="both: colocated; prefill/decode: one side of disaggregated serving (KV over NIXL)")
     worker.add_argument("--min-remote-prefill-tokens", type=int, default=32,
@@ -90,6 +94,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     router.add_argument("--model", action="append", default=[], metavar="NAME",
                         help="model expected to register: its requests wait instead of MODEL_NOT_FOUND")
     router.add_argument("--heartbeat-timeout-s", type=float, default=1.0)
+    router.add_argument("--lease-secret-file", default=None, metavar="PATH",
+                        help="secret shared with the workers: the router grants placement leases and gateways "
+                             "stream from the workers directly (default: none, streams relayed by the router)")
+    router.add_argument("--lease-ttl-s", type=float, default=30.0,
+                        help="how long a granted lease may wait for its stream to open on the worker")
     router.add_argument("--max-queue-depth", type=int, default=1024)
     router.add_argument("--max-queue-wait-s", type=float, default=30.0)
     router.add_argument("--cold-start-wait-s", type=float, default=None,
@@ -178,6 +187,7 @@ def run_worker(args: argparse.Namespace) -> int:
         disagg=DisaggSettings(args.role, args.min_remote_prefill_tokens, args.kv_lease_s,
                               layerwise=not args.kv_write_after_prefill),
         tls=tls,
+        lease_secret_file=args.lease_secret_file,
     )
     from flotilla.observability.setup import setup_observability
 
@@ -233,6 +243,8 @@ def run_router(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_port_file=args.metrics_port_file,
         tls=internal_tls(args, "router"),
+        lease_secret_file=args.lease_secret_file,
+        lease_ttl_s=args.lease_ttl_s,
     )
     from flotilla.observability.setup import setup_observability
 

@@ -49,6 +49,9 @@ class FleetConfig:
     # <state_dir>/tls/ca); insecure_internal: plaintext, nobody authenticated (fleet/certs.py).
     ca: CertificateAuthority | None = None
     insecure_internal: bool = False
+    # Placement leases: the router and workers share a secret (<state_dir>/lease-secret, made once), the
+    # gateway streams from the workers. False: no secret, the router relays every stream.
+    leases: bool = True
 
 
 class LocalFleet:
@@ -95,9 +98,16 @@ class LocalFleet:
         return ServiceProcess(name, args, state / "logs" / f"{name}.log", state / "ports" / f"{name}.port",
                               dict(self.config.env), keep_port=keep_port)
 
+    def _lease_args(self) -> list[str]:
+        if not self.config.leases:
+            return []
+        from flotilla.rpc.leases import ensure_secret_file
+
+        return ["--lease-secret-file", str(ensure_secret_file(Path(self.config.state_dir) / "lease-secret"))]
+
     def _start_router(self, timeout_s: float) -> None:
         args = ["router", "--host", self.config.host, "--model", self.model_name, *self._metrics_args("router"),
-                *self.certs.args("router", "router"), *self.config.router_args]
+                *self.certs.args("router", "router"), *self._lease_args(), *self.config.router_args]
         self.router = self._service("router", args, keep_port=True)  # workers and gateways dial this address
         self.router.start()
         self.router_address = f"{self.config.host}:{self.router.wait_port(timeout_s)}"
@@ -144,7 +154,7 @@ class LocalFleet:
             args = [
                 "worker", "--host", self.config.host, "--router", self.router_address, "--worker-id", name,
                 "--model-dir", str(self.config.model_dir), "--model-name", self.model_name,
-                *self._metrics_args(name), *self.certs.args("worker", name),
+                *self._metrics_args(name), *self.certs.args("worker", name), *self._lease_args(),
                 *self.config.worker_args, *(extra_args or []),
             ]  # fmt: skip
             worker = self._service(name, args)

@@ -32,6 +32,9 @@ class WorkerConfig:
     metrics_port_file: str | None = None  # where the bound metrics port is written
     output_check: CheckSettings = field(default_factory=CheckSettings)  # golden-output health (output_check.py)
     tls: InternalTLS | None = None  # mTLS for its server and its channels (router, KV peers); None: insecure
+    # The router's lease secret (rpc/leases.py): every Generate stream must carry a valid lease for this
+    # worker. None: no lease is checked and only the router may open streams (it relays them).
+    lease_secret_file: str | None = None
 
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
