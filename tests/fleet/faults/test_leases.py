@@ -160,3 +160,29 @@ def test_the_routers_per_version_stats_come_from_the_gateways_lease_reports(leas
     wait_until(lambda: _version_stats(lease_fleet).num_requests == before.num_requests + 3, 5, "3 lease reports")
     after = _version_stats(lease_fleet)
     assert after.error_rate == 0 and after.ttft_p50_s > 0 and after.tpot_p50_s > 0 and after.num_inflight == 0
+
+
+def test_streams_in_flight_survive_a_router_killed_with_sigkill(lease_fleet):
+    """Last in the module: it kills the fleet's router (and starts it again on its port for what follows)."""
+    router = lease_fleet.fleet.router
+    body = {**completion_body([7, 8, 9], 300), "ignore_eos": True}
+    killed = False
+
+    async def kill(result) -> None:
+        nonlocal killed
+        if result.num_chunks >= 2 and not killed:
+            killed = True
+            router.kill()
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*(stream_completion(client, lease_fleet.url, lease_fleet.headers, body,
+                                                            kill if i == 0 else None) for i in range(4)))
+
+    try:
+        results = asyncio.run(run())
+    finally:
+        router.start()  # the same port (keep_port): the workers register again
+        router.wait_port(60)
+    assert killed and [(r.error, r.completion_tokens) for r in results] == [(None, 300)] * 4
+    wait_until(lambda: lease_fleet.num_healthy_workers() == 1, 30, "the worker registered again", interval_s=0.1)
