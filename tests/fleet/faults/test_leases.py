@@ -162,6 +162,15 @@ def test_the_routers_per_version_stats_come_from_the_gateways_lease_reports(leas
     assert after.error_rate == 0 and after.ttft_p50_s > 0 and after.tpot_p50_s > 0 and after.num_inflight == 0
 
 
+def test_a_relaying_gateway_still_serves_through_the_router_which_signs_its_own_leases(lease_fleet):
+    gateway = lease_fleet.add_gateway("--stream-path", "relay")
+    response = httpx.post(f"http://127.0.0.1:{gateway.port}/v1/completions", headers=lease_fleet.headers, timeout=30,
+                          json={"model": MODEL, "prompt": [9, 10, 11], "max_tokens": 6, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    assert json.loads(response.text)["usage"]["completion_tokens"] == 6
+    gateway.stop()
+
+
 def test_streams_in_flight_survive_a_router_killed_with_sigkill(lease_fleet):
     """Last in the module: it kills the fleet's router (and starts it again on its port for what follows)."""
     router = lease_fleet.fleet.router
