@@ -10,6 +10,10 @@ streamed runs, and last ONE JSON line.
   .venv/bin/python loadtest/bench_fleet.py --workers 2 --worker-threads 1   # one single-threaded worker per core
   .venv/bin/python loadtest/bench_fleet.py --compare-vllm ~/vllm-cpu/.venv/bin/python
   .venv/bin/python loadtest/bench_fleet.py --worker-threads 1 --engine-cores 1   # the path on a core of its own
+  .venv/bin/python loadtest/bench_fleet.py --workers 2 --worker-threads 1 --stream-path relay   # the old path
+
+The JSON line has `router_cpu_us_per_token` (router CPU over the median round / its output tokens: ≈ 0 on the
+lease path, where the router only places) and `fleet_over_offline` (median fleet tok/s / median offline tok/s).
 """
 
 from __future__ import annotations
@@ -68,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="pin the workers and the offline engines to this many cores and the gateway, router and "
                         "benchmark client to the others, as in a deployment where the path has CPUs of its own "
                         "(0: no pinning, everything shares every core)")
+    p.add_argument("--stream-path", choices=("auto", "direct", "relay"), default="auto",
+                   help="the gateway's --stream-path: auto streams from the workers under leases (flotilla up's "
+                        "fleet has a lease secret); relay sends every token through the router")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.engine_cores and args.compare_vllm:
@@ -122,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     line: dict = {"size": args.size, "num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency,
                   "workers": args.workers, "worker_threads": args.worker_threads,
                   "stream_interval_ms": args.stream_interval_ms, "vllm_stream_interval": args.vllm_stream_interval,
+                  "stream_path": args.stream_path,
                   "loadavg_1m_start": os.getloadavg()[0]}
     workload = Workload(chat_prompts(model_dir, specs), [spec.max_tokens for spec in specs])
     # The offline engine laid out like the fleet's workers (processes, threads), each with its share.
@@ -136,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                              env={"OMP_NUM_THREADS": str(args.worker_threads)} if args.worker_threads else {},
                              worker_args=["--num-kv-blocks", "8192", "--max-num-seqs", str(args.max_concurrency),
                                           "--stream-interval-ms", str(args.stream_interval_ms)],
-                             router_args=["--max-requests-per-worker", str(args.max_concurrency)])  # one batch
+                             router_args=["--max-requests-per-worker", str(args.max_concurrency)],  # one batch
+                             gateway_args=["--stream-path", args.stream_path])
         fleet_runs, offline_runs = [], []
         with LocalFleet(config) as fleet:
             streamed(fleet.gateway_url + "/v1", MODEL, "none", specs[:4], 4)  # warm-up
@@ -161,10 +170,12 @@ def main(argv: list[str] | None = None) -> int:
         num_tokens = fleet_summary["output_tok_s"] * cpu_s["wall"]
         line["fleet_cpu_us_per_token"] = {name: round(seconds / num_tokens * 1e6) for name, seconds in cpu_s.items()
                                           if name != "wall"}
+        line["router_cpu_us_per_token"] = line["fleet_cpu_us_per_token"].get("router")
         print("fleet CPU µs per output token by process (median round): "
               + ", ".join(f"{k} {v}" for k, v in line["fleet_cpu_us_per_token"].items()))
         print(f"offline engine: {line['offline_tok_s']:.1f} output tok/s (median of {args.rounds})")
         line["fleet_loss_vs_offline"] = round(1 - line["fleet_tok_s"] / line["offline_tok_s"], 3)
+        line["fleet_over_offline"] = round(line["fleet_tok_s"] / line["offline_tok_s"], 3)
         # Each round's fleet and offline runs are back to back: their ratio cancels most of a slow spell.
         paired = [run[0]["output_tok_s"] / tok_s for run, tok_s in zip(fleet_runs, offline_runs)]
         line["fleet_loss_vs_offline_paired"] = round(1 - statistics.median(paired), 3)

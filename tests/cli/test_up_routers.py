@@ -106,6 +106,12 @@ def test_a_route_change_reaches_every_router_and_an_alias_shares_its_models_rout
     owning, other = owner(up)
     before = relayed_requests(up, owning), relayed_requests(up, other)
 
+    def gateway_knows_alias() -> bool:  # the gateway learns new names on its next model-list refresh
+        models = openai.OpenAI(base_url=f"{up.url}/v1", api_key=API_KEY, max_retries=0).models.list()
+        return any("chat" in (getattr(m, "aliases", None) or ()) for m in models)
+
+    wait_until(gateway_knows_alias, 10, "the gateway to list the alias")
+
     async def one() -> str:
         async with client(up) as oai:
             stream = await oai.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}],
@@ -125,6 +131,7 @@ def test_kill_9_of_the_owning_router_under_64_streams_every_stream_completes(up)
     reference = asyncio.run(all_streams())
     num_before = len(final_records(up, NUM_STREAMS + 1))
     owning, other = owner(up)
+    placed_by_other_before = relayed_requests(up, other)
     killed_at: list[float] = []
 
     def kill_once() -> None:
@@ -145,10 +152,14 @@ def test_kill_9_of_the_owning_router_under_64_streams_every_stream_completes(up)
     assert texts == reference  # no stream failed, none differs from the undisturbed run
     records = final_records(up, num_before + NUM_STREAMS + 1)[num_before:]
     resumed = sum(r.attempts >= 2 for r in records)
-    print(f"\n{resumed} requests went on on the other router; a new one sent at the kill had its first token "
+    print(f"\n{resumed} requests were resumed on the other router; a new one sent at the kill had its first token "
           f"{new_request_s * 1000:.0f} ms after it")
     assert all(r.status == "ok" for r in records)
-    assert resumed, "no stream was on the killed router: the test proved nothing"
+    # Every stream was placed by the killed owner while it lived (the kill comes with the first token): on the
+    # lease path they stream from the workers and its death cuts none; on the relay path they are resumed. The
+    # other router placed only the new request and the resumed ones, so the 64 really were the dead router's.
+    placed_by_other = relayed_requests(up, other) - placed_by_other_before
+    assert 1 <= placed_by_other <= 1 + resumed, (placed_by_other, resumed)
     # Admitted, placed and streaming: the target is within 1 s of its router's death (0.6-0.8 s on this 2-core
     # machine with little else running, up to 1.8 s while other suites load it). The bound still fails a failover
     # that waits for a keepalive (15 s), a reconnect backoff or a queue timeout.

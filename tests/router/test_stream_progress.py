@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from flotilla.api.common.v1 import common_pb2 as pb
-from flotilla.router.failover import StreamProgress, WorkerLost
+from flotilla.rpc.failover import StreamProgress, WorkerLost
 from flotilla.rpc.convert import error_response, stream_event
 from flotilla.rpc.stream_events import Chunk
 

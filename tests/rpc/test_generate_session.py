@@ -11,7 +11,7 @@ import pytest
 
 from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.worker.v1 import worker_pb2_grpc
-from flotilla.router.failover import LOST_STATUSES
+from flotilla.rpc.failover import LOST_STATUSES
 from flotilla.rpc.session_client import SessionClient
 from flotilla.rpc.session_server import serve_session
 
@@ -23,6 +23,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServiceServicer):
 
     def __init__(self) -> None:
         self.cancelled: list[str] = []
+        self.reports: dict[str, pb.StreamReport | None] = {}  # what a close carried, by request id
         self.metadata: dict[str, dict[str, str]] = {}
 
     async def GenerateSession(self, actions, context):
@@ -42,6 +43,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServiceServicer):
             await sink.write(pb.GenerateResponse(finished=pb.Finished(reason=pb.FINISH_REASON_LENGTH)))
         except asyncio.CancelledError:
             self.cancelled.append(request.request_id)
+            self.reports[request.request_id] = sink.report
             raise
 
 
@@ -107,6 +109,18 @@ async def test_cancel_aborts_only_that_stream(served):
     await async_wait_until(lambda: "hang" in worker.cancelled, 10, "the worker to see hang cancelled")
     assert (await _drain(other))[-1].finished.reason == pb.FINISH_REASON_LENGTH
     assert "other" not in worker.cancelled
+
+
+async def test_a_close_cancels_the_stream_with_the_callers_report_in_hand(served):
+    worker, _, _, client = served
+    closed, cancelled = client.generate(_request("closed", "hang")), client.generate(_request("cancelled", "hang"))
+    for stream in (closed, cancelled):
+        assert (await stream.__anext__()).chunk.token_ids == [0]
+    assert closed.cancel(pb.StreamReport(finished=True, num_output_tokens=7, ttft_s=0.5))
+    assert cancelled.cancel()
+    await async_wait_until(lambda: len(worker.cancelled) == 2, 5, "both handlers cancelled")
+    assert worker.reports["closed"] == pb.StreamReport(finished=True, num_output_tokens=7, ttft_s=0.5)
+    assert worker.reports["cancelled"] is None
 
 
 async def test_a_failing_handler_fails_its_stream_with_internal_and_spares_the_others(served):

@@ -92,12 +92,13 @@ class SessionStream:
         if not self._done:
             self.deliver(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
 
-    def cancel(self) -> bool:
-        """Tell the callee to abort the stream; False when it had already ended."""
+    def cancel(self, report: pb.StreamReport | None = None) -> bool:
+        """Tell the callee to abort the stream (with the caller's account of it, when given: a close); False
+        when it had already ended."""
         if self._done:
             return False
         self._finish()
-        self._session.cancel(self.stream_id)
+        self._session.cancel(self.stream_id, report)
         return True
 
     def done(self) -> bool:
@@ -152,9 +153,12 @@ class _Session:
         self._has_pending.set()
         return stream
 
-    def cancel(self, stream_id: int) -> None:
+    def cancel(self, stream_id: int, report: pb.StreamReport | None = None) -> None:
         if not self.ended:
-            self._pending.cancel.append(stream_id)
+            if report is None:
+                self._pending.cancel.append(stream_id)
+            else:
+                self._pending.close.add(stream_id=stream_id, report=report)
             self._has_pending.set()
 
     def forget(self, stream_id: int) -> None:
@@ -205,7 +209,7 @@ class _Session:
 
 def _split(actions: pb.SessionActions) -> list[pb.SessionActions]:
     """Opens batched into messages of at most MAX_ACTIONS_BYTES (long prompts travel in them), cancels first."""
-    messages = [pb.SessionActions(cancel=actions.cancel)]
+    messages = [pb.SessionActions(cancel=actions.cancel, close=actions.close)]
     size = 0
     for opened in actions.open:
         num_bytes = opened.ByteSize()

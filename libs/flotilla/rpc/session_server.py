@@ -5,7 +5,8 @@ Each opened stream runs the service's unchanged Generate handler as its own task
 place of the grpc ServicerContext (`write`, `invocation_metadata`). Its writes go to one outbox that a
 single writer drains: whatever accumulated while the previous message was on the wire leaves together, so
 at saturation a decode step's tokens for every request travel in one message. A cancel aborts the stream's
-task (as a cancelled RPC would); the session ending cancels every task still running.
+task (as a cancelled RPC would); a close does the same with the caller's StreamReport in the sink (`report`)
+for the handler to read as it ends; the session ending cancels every task still running.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ Handler = Callable[[pb.GenerateRequest, "StreamSink"], Awaitable[None]]
 class StreamSink:
     """What a Generate handler needs of its ServicerContext, for one stream of a session."""
 
-    __slots__ = ("_outbox", "_stream_id", "_metadata")
+    __slots__ = ("_outbox", "_stream_id", "_metadata", "report")
 
     def __init__(self, outbox: _Outbox, stream_id: int, metadata: tuple[tuple[str, str], ...]):
         self._outbox = outbox
         self._stream_id = stream_id
         self._metadata = metadata
+        self.report: pb.StreamReport | None = None  # set by the caller's close, before the stream is cancelled
 
     async def write(self, response: pb.GenerateResponse) -> None:
         self.write_nowait(response)
@@ -75,10 +77,15 @@ async def serve_session(actions: AsyncIterator[pb.SessionActions], context: grpc
     """The body of a GenerateSession handler: returns once the caller half-closed and every stream ended."""
     outbox = _Outbox()
     tasks: dict[int, asyncio.Task] = {}
+    sinks: dict[int, StreamSink] = {}
     writer = asyncio.create_task(_write_loop(outbox, context))
     try:
         async for message in actions:
-            for stream_id in message.cancel:
+            for closed in message.close:
+                sink = sinks.get(closed.stream_id)
+                if sink is not None:
+                    sink.report = closed.report
+            for stream_id in [*message.cancel, *(closed.stream_id for closed in message.close)]:
                 task = tasks.pop(stream_id, None)
                 if task is not None:
                     task.cancel()
@@ -89,8 +96,8 @@ async def serve_session(actions: AsyncIterator[pb.SessionActions], context: grpc
                 sink = StreamSink(outbox, opened.stream_id, tuple((m.key, m.value) for m in opened.metadata))
                 task = asyncio.create_task(_run_stream(handler, opened, sink, outbox))
                 tasks[opened.stream_id] = task
-                task.add_done_callback(lambda t, sid=opened.stream_id: tasks.pop(sid, None) if tasks.get(sid) is t
-                                       else None)
+                sinks[opened.stream_id] = sink
+                task.add_done_callback(lambda t, sid=opened.stream_id: _forget(sid, t, tasks, sinks))
         if tasks:  # the caller half-closed: its open streams still finish
             await asyncio.gather(*tasks.values(), return_exceptions=True)
         outbox.close()
@@ -99,6 +106,14 @@ async def serve_session(actions: AsyncIterator[pb.SessionActions], context: grpc
         for task in tasks.values():  # the caller went away (or we are shutting down): abort every stream
             task.cancel()
         writer.cancel()
+
+
+def _forget(stream_id: int, task: asyncio.Task, tasks: dict[int, asyncio.Task],
+            sinks: dict[int, StreamSink]) -> None:
+    if tasks.get(stream_id) is task:
+        del tasks[stream_id]
+    if stream_id not in tasks:  # not reopened under the same id (a caller bug the open answers)
+        sinks.pop(stream_id, None)
 
 
 async def _run_stream(handler: Handler, opened: pb.SessionOpen, sink: StreamSink, outbox: _Outbox) -> None:

@@ -18,6 +18,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run = subparsers.add_parser("gateway", help="run the HTTP gateway (OpenAI- and Anthropic-compatible)")
     add_router_flag(run, "router address (each model's requests go to one router, failing over to the next)",
                     required=True)
+    run.add_argument("--stream-path", choices=("auto", "direct", "relay"), default="auto",
+                     help="token streams: auto = from the workers under the router's placement leases when it grants "
+                          "them, else relayed by the router; direct / relay force one")
     run.add_argument("--host", default="127.0.0.1")
     run.add_argument("--port", type=int, default=8000, help="0: pick a free port and announce it")
     run.add_argument("--port-file", default=None, help="write the bound port here once listening")
@@ -123,7 +126,7 @@ def _run(args: argparse.Namespace) -> int:
                                usage_checkpoint_s=args.usage_checkpoint_s,
                                stream_resume_grace_s=args.stream_resume_grace_s,
                                tool_call_parser=args.tool_call_parser, safety_config=args.safety_config,
-                               router_tls=internal_tls(args, "gateway"),
+                               router_tls=internal_tls(args, "gateway"), stream_path=args.stream_path,
                                metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                                metrics_port_file=args.metrics_port_file,
                                header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,

@@ -55,6 +55,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     worker.add_argument("--pool", choices=("default", "long-context"), default="default",
                         help="the pool it registers in: long-context takes the prompts over the router's "
                              "--long-context-threshold (size its KV budget and --max-num-batched-tokens for them)")
+    worker.add_argument("--lease-secret-file", default=None, metavar="PATH",
+                        help="the router's lease secret: serve only streams with a valid placement lease for this "
+                             "worker, from its router or from gateways (default: none; only the router may open "
+                             "streams)")
     worker.add_argument("--role", choices=("both", "prefill", "decode"), default="both",
                         help="both: colocated; prefill/decode: one side of disaggregated serving (KV over NIXL)")
     worker.add_argument("--min-remote-prefill-tokens", type=int, default=32,
@@ -105,6 +109,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     router.add_argument("--model", action="append", default=[], metavar="NAME",
                         help="model expected to register: its requests wait instead of MODEL_NOT_FOUND")
     router.add_argument("--heartbeat-timeout-s", type=float, default=1.0)
+    router.add_argument("--lease-secret-file", default=None, metavar="PATH",
+                        help="secret shared with the workers: the router grants placement leases and gateways "
+                             "stream from the workers directly (default: none, streams relayed by the router)")
+    router.add_argument("--lease-ttl-s", type=float, default=30.0,
+                        help="how long a granted lease may wait for its stream to open on the worker")
     router.add_argument("--max-queue-depth", type=int, default=1024)
     router.add_argument("--max-queue-wait-s", type=float, default=30.0)
     router.add_argument("--cold-start-wait-s", type=float, default=None,
@@ -209,6 +218,7 @@ def run_worker(args: argparse.Namespace) -> int:
         tls=tls,
         shared_models=tuple(shared),
         max_loaded_models=args.max_loaded_models,
+        lease_secret_file=args.lease_secret_file,
     )
     from flotilla.observability.setup import setup_observability
 
@@ -289,6 +299,8 @@ def run_router(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_port_file=args.metrics_port_file,
         tls=internal_tls(args, "router"),
+        lease_secret_file=args.lease_secret_file,
+        lease_ttl_s=args.lease_ttl_s,
     )
     from flotilla.observability.setup import setup_observability
 

@@ -61,6 +61,9 @@ class FleetConfig:
     shared_pool_models: tuple[str, ...] = ()
     shared_pool_workers: int = 1
     shared_pool_max_loaded: int = 1
+    # Placement leases: the router and workers share a secret (<state_dir>/lease-secret, made once), the
+    # gateway streams from the workers. False: no secret, the router relays every stream.
+    leases: bool = True
 
 
 class LocalFleet:
@@ -127,13 +130,20 @@ class LocalFleet:
         return ServiceProcess(name, args, state / "logs" / f"{name}.log", state / "ports" / f"{name}.port",
                               dict(self.config.env), keep_port=keep_port)
 
+    def _lease_args(self) -> list[str]:
+        if not self.config.leases:
+            return []
+        from flotilla.rpc.leases import ensure_secret_file
+
+        return ["--lease-secret-file", str(ensure_secret_file(Path(self.config.state_dir) / "lease-secret"))]
+
     def _start_routers(self, timeout_s: float) -> None:
         count = self.config.num_routers
         names = ["router"] if count == 1 else [f"router-{i}" for i in range(count)]
         threshold = self.config.long_context_threshold
         for name in names:
             args = ["router", "--host", self.config.host, "--model", self.model_name, *self._metrics_args(name),
-                    *self.certs.args("router", name),
+                    *self.certs.args("router", name), *self._lease_args(),
                     *(["--long-context-threshold", f"{self.model_name}={threshold}"] if threshold else []),
                     *self.config.router_args]
             router = self._service(name, args, keep_port=True)  # workers and gateways dial this address
@@ -185,7 +195,7 @@ class LocalFleet:
                 "worker", "--host", self.config.host, "--router", ",".join(self.router_addresses),
                 "--worker-id", name,
                 "--model-dir", str(self.config.model_dir), "--model-name", self.model_name,
-                *self._metrics_args(name), *self.certs.args("worker", name),
+                *self._metrics_args(name), *self.certs.args("worker", name), *self._lease_args(),
                 *self.config.worker_args, *(extra_args or []),
             ]  # fmt: skip
             worker = self._service(name, args)
@@ -200,7 +210,7 @@ class LocalFleet:
             "worker", "--host", self.config.host, "--router", ",".join(self.router_addresses), "--worker-id", name,
             "--shared-models", ",".join(self.config.shared_pool_models),
             "--max-loaded-models", str(self.config.shared_pool_max_loaded),
-            *self._metrics_args(name), *self.certs.args("worker", name), *self.config.worker_args,
+            *self._metrics_args(name), *self.certs.args("worker", name), *self._lease_args(), *self.config.worker_args,
         ]  # fmt: skip
         worker = self._service(name, args)
         worker.start()

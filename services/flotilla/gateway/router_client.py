@@ -1,5 +1,7 @@
-"""The gateway's only way out: the router's Generate streams (on one session), its model list and the models'
-tokenizer files, over grpc.aio. A stream's messages are decoded here, once each, into StreamEvents (rpc/convert.py)."""
+"""The gateway's way out: placement leases on the router and streams from the workers (direct_stream.py) when
+the router grants leases, else the router's Generate streams (on one session, the relay path); the model list
+and the models' tokenizer files, over grpc.aio. A stream's messages are decoded here, once each, into
+StreamEvents (rpc/convert.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Protocol
 from flotilla.api.common.v1 import common_pb2 as common
 from flotilla.api.router.v1 import router_pb2, router_pb2_grpc
 from flotilla.engine.tokenizer_files import MAX_TOTAL_BYTES
+from flotilla.gateway.direct_stream import DirectStream, WorkerSessions, next_merged
 from flotilla.rpc.convert import stream_event
 from flotilla.rpc.batch_session import BatchSessionClient
 from flotilla.rpc.model_assets import receive_assets
@@ -19,6 +22,7 @@ from flotilla.rpc.stream_events import StreamEvent
 
 
 ASSETS_TIMEOUT_S = 60.0  # tens of MB for the largest tokenizers
+STREAM_PATHS = ("auto", "direct", "relay")  # auto: direct when the router grants leases (ListModels says)
 
 
 class RouterBackend(Protocol):
@@ -59,30 +63,23 @@ class RouterStream:
         response, self._held = self._held, None
         if response is None:
             response = await self._call.__anext__()
-        following = self._call.next_ready()
-        if following is not None:  # several arrived together: consecutive chunks leave as one
-            if response.HasField("chunk"):
-                while following is not None and following.HasField("chunk"):
-                    merge_chunk(response.chunk, following.chunk)
-                    following = self._call.next_ready()
-            self._held = following
+        response, self._held = next_merged(self._call, response)  # consecutive chunks leave as one
         return stream_event(response)
 
     async def aclose(self) -> None:
         self._call.cancel()
 
 
-def merge_chunk(into: common.TokenChunk, following: common.TokenChunk) -> None:
-    into.token_ids.extend(following.token_ids)
-    into.text += following.text
-    into.logprobs.extend(following.logprobs)
-
-
 class RouterClient:
     """RouterService client. Closing a generate() iterator cancels the call, which aborts the request."""
 
-    def __init__(self, address: str, list_timeout_s: float = 5.0, tls: InternalTLS | None = None):
+    def __init__(self, address: str, list_timeout_s: float = 5.0, tls: InternalTLS | None = None,
+                 stream_path: str = "auto"):
+        if stream_path not in STREAM_PATHS:
+            raise ValueError(f"stream_path must be one of {STREAM_PATHS}, got {stream_path!r}")
         self.address = address
+        self.stream_path = stream_path
+        self.grants_leases = False  # the router's last ListModels said it signs leases
         self._list_timeout_s = list_timeout_s
         # keepalive finds a dead router; 64 MiB messages (long prompts)
         self._channel = aio_channel(address, tls, "router")
@@ -91,10 +88,24 @@ class RouterClient:
         # in one message instead of one message per request.
         self._session = SessionClient(self._stub.GenerateSession)
         self._batches = BatchSessionClient(self._stub.BatchGenerateSession)  # fixed-batch calls, on one stream
+        self._leases = SessionClient(self._stub.AcquireSession)  # every request's lease, on one call
+        self._workers = WorkerSessions(tls)
 
-    def generate(self, request: common.GenerateRequest, metadata: Sequence[tuple[str, str]] = ()) -> RouterStream:
-        """`metadata`: gRPC metadata for the call (trace context, tier)."""
+    @property
+    def streams_direct(self) -> bool:
+        return self.stream_path == "direct" or (self.stream_path == "auto" and self.grants_leases)
+
+    def generate(self, request: common.GenerateRequest, metadata: Sequence[tuple[str, str]] = ()
+                 ) -> RouterStream | DirectStream:
+        """`metadata`: gRPC metadata for the calls (trace context, tier)."""
+        if self.streams_direct:
+            return DirectStream(self.acquire, self._workers, request, metadata)
         return RouterStream(self._session.generate(request, metadata))
+
+    def acquire(self, request: common.GenerateRequest, metadata: Sequence[tuple[str, str]] = ()) -> SessionStream:
+        """An Acquire stream on the router: its first event is the lease (or a refusal); ending it releases
+        the lease. The one place that picks the router a lease comes from."""
+        return self._leases.generate(request, metadata)
 
     async def batch_generate(self, call: router_pb2.BatchCall) -> router_pb2.BatchResult:
         return await self._batches.call(call)
@@ -105,6 +116,7 @@ class RouterClient:
 
     async def list_models(self) -> list[common.ModelInfo]:
         response = await self._stub.ListModels(router_pb2.ListModelsRequest(), timeout=self._list_timeout_s)
+        self.grants_leases = response.grants_leases
         return list(response.models)
 
     async def get_model_assets(self, digest: str) -> dict[str, bytes]:
@@ -116,5 +128,7 @@ class RouterClient:
 
     async def close(self) -> None:
         self._session.close()
+        self._leases.close()
         self._batches.close()
+        await self._workers.close()
         await self._channel.close()

@@ -24,9 +24,11 @@ import grpc
 
 from flotilla.api.common.v1 import common_pb2 as common
 from flotilla.api.router.v1 import router_pb2
+from flotilla.gateway.direct_stream import DirectStream, WorkerSessions
 from flotilla.gateway.router_client import RouterClient
 from flotilla.gateway.router_resume import ResumingStream
 from flotilla.rpc.router_ownership import rendezvous_score
+from flotilla.rpc.session_client import SessionStream
 from flotilla.rpc.tls import InternalTLS
 
 log = logging.getLogger(__name__)
@@ -46,10 +48,11 @@ class _Router:
 
 class RouterPool:
     def __init__(self, addresses: Sequence[str], list_timeout_s: float = 5.0, tls: InternalTLS | None = None,
-                 probe_interval_s: float = PROBE_INTERVAL_S):
+                 probe_interval_s: float = PROBE_INTERVAL_S, stream_path: str = "auto"):
         if not addresses:
             raise ValueError("the gateway needs at least one router address")
-        self._routers = [_Router(RouterClient(address, list_timeout_s, tls)) for address in addresses]
+        self._routers = [_Router(RouterClient(address, list_timeout_s, tls, stream_path)) for address in addresses]
+        self._workers = WorkerSessions(tls)  # the lease path's worker sessions, whichever router placed
         self._by_client = {router.client: router for router in self._routers}
         self._aliases: dict[str, str] = {}  # alias -> model name, from the last model lists
         self._probe_interval_s = probe_interval_s
@@ -91,8 +94,17 @@ class RouterPool:
         return code in LOST_ROUTER_STATUSES
 
     # ---- RouterBackend --------------------------------------------------------------------------------
-    def generate(self, request: common.GenerateRequest, metadata: Sequence[tuple[str, str]] = ()) -> ResumingStream:
+    def generate(self, request: common.GenerateRequest, metadata: Sequence[tuple[str, str]] = ()
+                 ) -> ResumingStream | DirectStream:
+        """The lease path when the model's router grants leases: the stream comes from the worker, so a router
+        lost after placement costs it nothing, and one lost while the request queues there is acquired from the
+        next (FailoverAcquire). Else the relay path, re-submitted to the next router when its router is lost."""
+        if self.router_for(request.model).streams_direct:
+            return DirectStream(self.acquire, self._workers, request, metadata)
         return ResumingStream(self, request, metadata, max_attempts=len(self._routers) + 1)
+
+    def acquire(self, request: common.GenerateRequest, metadata: Sequence[tuple[str, str]] = ()) -> FailoverAcquire:
+        return FailoverAcquire(self, request, metadata)
 
     async def batch_generate(self, call: router_pb2.BatchCall) -> router_pb2.BatchResult:
         last_error: grpc.RpcError | None = None
@@ -135,6 +147,7 @@ class RouterPool:
                 await self._prober
         for router in self._routers:
             await router.client.close()
+        await self._workers.close()
 
     # ---- health ---------------------------------------------------------------------------------------
     async def _list_all(self) -> dict[_Router, list[common.ModelInfo] | BaseException]:
@@ -173,3 +186,36 @@ class RouterPool:
         except (grpc.RpcError, asyncio.TimeoutError) as err:
             answer = err
         self._note_listing(router, answer)
+
+
+class FailoverAcquire:
+    """An Acquire stream on the model's router that moves to the next router when its router is lost before it
+    answered (the request was queued there): the lease stream DirectStream reads (its first event, then
+    `cancel(report)` to release the lease)."""
+
+    def __init__(self, pool: RouterPool, request: common.GenerateRequest, metadata: Sequence[tuple[str, str]]):
+        self._pool = pool
+        self._request = request
+        self._metadata = metadata
+        self._call: SessionStream | None = None
+
+    def __aiter__(self) -> FailoverAcquire:
+        return self
+
+    async def __anext__(self) -> common.GenerateResponse:
+        if self._call is not None:
+            return await self._call.__anext__()
+        last_error: grpc.aio.AioRpcError | None = None
+        for client in self._pool.routers_for(self._request.model):
+            self._call = client.acquire(self._request, self._metadata)
+            try:
+                return await self._call.__anext__()
+            except grpc.aio.AioRpcError as err:
+                if not self._pool.on_call_error(client, err):
+                    raise
+                last_error = err
+        assert last_error is not None
+        raise last_error
+
+    def cancel(self, report: common.StreamReport | None = None) -> bool:
+        return self._call.cancel(report) if self._call is not None else False

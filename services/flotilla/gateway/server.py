@@ -51,7 +51,8 @@ def uvicorn_config(app, settings: GatewaySettings, **options) -> uvicorn.Config:
 async def serve(settings: GatewaySettings, sockets: list[socket.socket] | None = None) -> None:
     """Serve until interrupted; `sockets` lets a caller bind first (port 0, tests)."""
     gatekeeper = load_gatekeeper(settings)
-    backend = RouterPool(settings.router_addresses, settings.router_timeout_s, settings.router_tls)
+    backend = RouterPool(settings.router_addresses, settings.router_timeout_s, settings.router_tls,
+                         stream_path=settings.stream_path)
     tolerance = FaultTolerance.open(settings)  # usage ledger, idempotency, resumable streams
     metrics = GatewayMetrics()
     metrics_server = None

@@ -40,7 +40,10 @@ class GatewaySettings:
     idempotency_ttl_s: float = 24 * 3600.0
     stream_resume_grace_s: float = 30.0
     tool_call_parser: str = "auto"  # how models write tool calls: "auto" (from each chat template) or a syntax name
-    router_tls: InternalTLS | None = None  # mTLS to the router (the gateway's certificate); None: insecure
+    router_tls: InternalTLS | None = None  # mTLS to the router and workers (the gateway's certificate); None: insecure
+    # How token streams travel (router_client.py): "auto" straight from the workers under the router's placement
+    # leases when it grants them, else relayed by the router; "direct" and "relay" force one.
+    stream_path: str = "auto"
     # Connection hygiene (connection_limits.py): a client has header_timeout_s from connecting (or from the end of
     # its previous response) to finish its request headers, body_timeout_s after them to finish its body, and
     # write_timeout_s to take a response's bytes once the buffers are full; else the connection is aborted. Past max_connections open connections uvicorn answers a bare 503; past
@@ -70,6 +73,8 @@ class GatewaySettings:
             raise ValueError("model_refresh_s must be > 0 and min_refresh_gap_s >= 0")
         if self.redis_fail_mode not in ("open", "closed"):
             raise ValueError(f"redis_fail_mode must be 'open' or 'closed', got {self.redis_fail_mode!r}")
+        if self.stream_path not in ("auto", "direct", "relay"):
+            raise ValueError(f"stream_path must be auto, direct or relay, got {self.stream_path!r}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
         for name in ("header_timeout_s", "body_timeout_s", "write_timeout_s", "max_header_bytes", "max_connections",

@@ -16,6 +16,8 @@ ROUTER_POLICY: dict[str, tuple[str, ...]] = {
         "PublishModelAssets": ("worker",),
         "Generate": _FRONT,
         "GenerateSession": _FRONT,
+        "Acquire": _FRONT,
+        "AcquireSession": _FRONT,
         "BatchGenerateSession": _FRONT,
         "GetModelAssets": _FRONT,
         # The router's own exec probe (`flotilla probe router`, with the router's certificate) calls it too.

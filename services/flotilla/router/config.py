@@ -34,12 +34,18 @@ class RouterConfig:
     metrics_port: int | None = None  # Prometheus /metrics on host:port (0 = any free port); None = off
     metrics_port_file: str | None = None  # where the bound metrics port is written
     tls: InternalTLS | None = None  # mTLS for its server and its channels to workers; None: insecure
+    # Placement leases (lease_service.py): the secret its workers share (rpc/leases.py); None: no leases,
+    # gateways stream through the router. A lease's token is valid this long after the grant.
+    lease_secret_file: str | None = None
+    lease_ttl_s: float = 30.0
 
     def validate(self) -> None:
         if self.heartbeat_interval_s <= 0 or self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError("need 0 < heartbeat_interval_s < heartbeat_timeout_s")
         if self.max_queue_depth < 0 or self.max_queue_wait_s < 0:
             raise ValueError("max_queue_depth and max_queue_wait_s must be >= 0")
+        if self.lease_ttl_s <= 0:
+            raise ValueError("lease_ttl_s must be > 0")
         for alias, target in self.aliases.items():
             if not alias or not target or alias == target:
                 raise ValueError(f"bad alias {alias!r} -> {target!r}")

@@ -20,6 +20,7 @@ from flotilla.router.service import RouterService
 from flotilla.router.shared_pool import SharedPool, SharedPoolMetrics
 from flotilla.router.telemetry import RouterMetrics
 from flotilla.router.access import ROUTER_POLICY
+from flotilla.rpc.leases import LeaseSigner, read_secret
 from flotilla.rpc.options import aio_channel, aio_server, bind
 from flotilla.rpc.serving import announce, stop_on_signals
 
@@ -48,9 +49,11 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         shared=SharedPool(registry, SharedPoolMetrics(metrics.registry), config.shared_load_timeout_s),
     )
     batches = BatchDispatcher(registry, config.batch, frozenset(config.model_names))
+    leases = (LeaseSigner(read_secret(config.lease_secret_file), config.lease_ttl_s)
+              if config.lease_secret_file else None)
     server = aio_server(config.tls, ROUTER_POLICY)
     router_pb2_grpc.add_RouterServiceServicer_to_server(
-        RouterService(registry, admission, config.heartbeat_interval_s, metrics, batches),
+        RouterService(registry, admission, config.heartbeat_interval_s, metrics, batches, leases),
         server,
     )
     port = bind(server, config.host, config.port, config.tls)

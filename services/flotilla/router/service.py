@@ -1,4 +1,5 @@
-"""RouterService handlers: worker membership, model listing, and the relay of token streams."""
+"""RouterService handlers: worker membership, model listing, placement leases (lease_service.py) and the relay
+of token streams (the path of gateways whose router grants no leases)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ from flotilla.router.batch_dispatcher import BatchDispatcher
 from flotilla.router.context_pools import POOLS
 from flotilla.router.disagg_planner import DisaggPlanner
 from flotilla.router.model_assets import RejectedAssetsError
-from flotilla.router.failover import DEFAULT_MAX_ATTEMPTS, StreamProgress, WorkerLost
+from flotilla.rpc.failover import DEFAULT_MAX_ATTEMPTS, StreamProgress, WorkerLost
+from flotilla.rpc.leases import LeaseSigner
+from flotilla.router.lease_service import LeaseRpcs
 from flotilla.router.lifecycle_service import ModelLifecycleRpcs
 from flotilla.router.models import aliases_of
 from flotilla.router.pool_signals import pool_signals
@@ -37,7 +40,7 @@ logger = logging.getLogger(__name__)
 _WORKER_GONE = (grpc.StatusCode.UNAVAILABLE,)
 
 
-class RouterService(ModelLifecycleRpcs, router_pb2_grpc.RouterServiceServicer):
+class RouterService(LeaseRpcs, ModelLifecycleRpcs, router_pb2_grpc.RouterServiceServicer):
     max_attempts = DEFAULT_MAX_ATTEMPTS  # workers one request may be placed on (failover.py)
 
     def __init__(
@@ -47,6 +50,7 @@ class RouterService(ModelLifecycleRpcs, router_pb2_grpc.RouterServiceServicer):
         heartbeat_interval_s: float,
         metrics: RouterMetrics | None = None,
         batches: BatchDispatcher | None = None,
+        leases: LeaseSigner | None = None,
     ):
         self._registry = registry
         self._admission = admission
@@ -55,6 +59,7 @@ class RouterService(ModelLifecycleRpcs, router_pb2_grpc.RouterServiceServicer):
         self.metrics = metrics or RouterMetrics()
         self._disagg = DisaggPlanner(registry, getattr(admission, "_limits", None))
         self.batches = batches  # fixed-batch models (batch_dispatcher.py); None: BatchGenerateSession refused
+        self.leases = leases  # signs placement leases (lease_service.py); workers with the secret require one
         self._init_lifecycle()
 
     # ---- fixed-batch models ------------------------------------------------------------------------
@@ -175,6 +180,9 @@ class RouterService(ModelLifecycleRpcs, router_pb2_grpc.RouterServiceServicer):
                                  long_context=placement.long_context)
         forwarded.prefill_worker_address = plan.prefill_worker_address
         worker = plan.decode
+        if self.leases is not None:  # the worker checks it as it checks a gateway's
+            forwarded.lease.CopyFrom(self.leases.grant(request.request_id, worker.worker_id, worker.info.address,
+                                                       forwarded.model, plan.prefill_worker_address))
         telemetry.running_on(worker.worker_id)
         worker.num_inflight += 1
         # One stream of the decode worker's session, colocated or not.
@@ -356,7 +364,7 @@ class RouterService(ModelLifecycleRpcs, router_pb2_grpc.RouterServiceServicer):
                 continue  # a gateway could not tokenize for it yet: listed once its worker sent the files
             info.aliases[:] = aliases_of(ref, versions, routes.aliases, routes.routes)
             models.append(info)
-        return rpb.ListModelsResponse(models=models)
+        return rpb.ListModelsResponse(models=models, grants_leases=self.leases is not None)
 
 
 def _timeout(deadline_unix_s: float) -> float | None:

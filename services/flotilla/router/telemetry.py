@@ -23,8 +23,9 @@ class RouterRequestTelemetry:
     event (or failed() for a call that failed), and finish() once at the end (a finally block)."""
 
     def __init__(self, metrics: RouterMetrics, request: pb.GenerateRequest, model: str,
-                 metadata: Iterable[tuple[str, str | bytes]] | None):
-        """`model`: the resolved model name (the requested one when it does not resolve)."""
+                 metadata: Iterable[tuple[str, str | bytes]] | None, span_name: str = "router.generate"):
+        """`model`: the resolved model name (the requested one when it does not resolve); `span_name`:
+        router.acquire for a lease (lease_service.py)."""
         incoming = incoming_context(metadata)
         self._metrics = metrics
         self._request_id = request.request_id
@@ -35,7 +36,7 @@ class RouterRequestTelemetry:
         self._queue_wait_s: float | None = None
         self._worker_id = ""
         self.outcome = "cancelled"  # until a Finished or an error says otherwise
-        self.span = tracer().start_span("router.generate", context=incoming.context, kind=trace.SpanKind.SERVER,
+        self.span = tracer().start_span(span_name, context=incoming.context, kind=trace.SpanKind.SERVER,
                                         attributes={"flotilla.request_id": request.request_id,
                                                     "flotilla.model": request.model, "flotilla.class": self._class})
         self._queue_span = tracer().start_span("router.queue_wait", context=trace.set_span_in_context(self.span))
@@ -44,6 +45,7 @@ class RouterRequestTelemetry:
         self._num_tokens = 0
         self._first_token_at: float | None = None
         self._last_token_at = 0.0
+        self._reported: pb.StreamReport | None = None  # a lease's end, as its holder saw the stream
         metrics.queue_depth.labels(self._model, self._class).inc()
 
     def placed(self, placement: Placement) -> None:
@@ -84,11 +86,26 @@ class RouterRequestTelemetry:
     def on_result(self, event: Finished | Error) -> None:
         self.outcome = "ok" if type(event) is Finished else error_reason_label(event.code)
 
+    def on_report(self, report: pb.StreamReport) -> None:
+        """A lease's end as its holder (the gateway) saw the stream: outcome, TTFT, TPOT and tokens."""
+        self._reported = report
+        if report.worker_lost:
+            self.outcome = "worker_lost"
+        elif report.error_code:
+            self.outcome = error_reason_label(report.error_code)
+        else:
+            self.outcome = "ok" if report.finished else "cancelled"
+
     def finish(self) -> None:
         self._end_queue_wait()
         if self._placed:
             self._metrics.inflight.labels(self._model).dec()
-        if self._version is not None:
+        report = self._reported
+        if report is not None and self._version is not None and not report.worker_lost:
+            # A lost lease is not a sample: the request goes on under another one, which reports its outcome.
+            self._metrics.version_finished(*self._version, self.outcome, report.ttft_s or None,
+                                           report.tpot_s or None, report.num_output_tokens)
+        elif report is None and self._version is not None:
             first = self._first_token_at
             ttft = first - self._arrived if first is not None else None
             tpot = (self._last_token_at - first) / (self._num_tokens - 1) if first and self._num_tokens > 1 else None

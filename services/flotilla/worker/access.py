@@ -1,5 +1,6 @@
 """Who may call which worker method, by the role in the caller's certificate (rpc/tls.py enforces it): the
-router runs requests here; workers hand KV to each other; the operator and exec probes (which run with
+router, and gateways holding a placement lease (service.py checks it), run requests here; workers hand KV
+to each other; the operator and exec probes (which run with
 the pod's own certificate) read health and load."""
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ _BATCH = "/flotilla.worker.v1.FixedBatchService/{}"
 _KV = "/flotilla.kvtransfer.v1.KVTransferService/{}"
 
 WORKER_POLICY: dict[str, tuple[str, ...]] = {
-    _WORKER.format("Generate"): ("router",),
-    _WORKER.format("GenerateSession"): ("router",),
+    _WORKER.format("Generate"): ("router", "gateway"),
+    _WORKER.format("GenerateSession"): ("router", "gateway"),
     _WORKER.format("Abort"): ("router",),
     _WORKER.format("Health"): ("router", "operator", "worker"),
     _WORKER.format("GetLoad"): ("router", "operator"),

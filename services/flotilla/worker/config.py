@@ -37,6 +37,9 @@ class WorkerConfig:
     # how many it holds loaded at once (the least recently used is unloaded for another). Empty: one model.
     shared_models: tuple[tuple[str, str], ...] = ()
     max_loaded_models: int = 1
+    # The router's lease secret (rpc/leases.py): every Generate stream must carry a valid lease for this
+    # worker. None: no lease is checked and only the router may open streams (it relays them).
+    lease_secret_file: str | None = None
 
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"worker-{uuid.uuid4().hex[:8]}"

@@ -12,6 +12,7 @@ from flotilla.api.worker.v1 import worker_pb2_grpc
 from flotilla.engine.async_engine import AsyncEngine
 from flotilla.engine.engine import LLMEngine
 from flotilla.observability.exposition import serve_metrics
+from flotilla.rpc.leases import LeaseVerifier, read_secret
 from flotilla.rpc.options import address, aio_server, bind
 from flotilla.rpc.serving import announce, stop_on_signals
 from flotilla.engine.tokenizer_files import files_digest, read_tokenizer_files
@@ -46,6 +47,8 @@ async def serve(
     metrics.watch_engine(engine.stats, model.name, worker_id)
     server = aio_server(config.tls, WORKER_POLICY)
     worker_service = WorkerService(engine, worker_id, model, metrics)
+    if config.lease_secret_file:
+        worker_service.leases = LeaseVerifier(read_secret(config.lease_secret_file), worker_id)
     output_check = await _start_output_check(config, engine, metrics)
     worker_service.output_check = output_check
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(worker_service, server)

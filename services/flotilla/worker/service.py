@@ -22,6 +22,7 @@ from flotilla.rpc.convert import (
     load_report,
     new_request_from_proto,
 )
+from flotilla.rpc.leases import LeaseVerifier
 from flotilla.rpc.session_server import serve_session
 from flotilla.rpc.tls import peer_identity
 from flotilla.worker.telemetry import RequestTelemetry, WorkerMetrics
@@ -56,13 +57,34 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
         # prefill worker is prefilled there. None: every request is prefilled here.
         self.decode_side: DecodeSide | None = None
         self.output_check: OutputCheck | None = None  # when on: its failure makes Health not ready
+        # Placement leases (rpc/leases.py): with a verifier every stream needs a valid lease for this worker;
+        # without one only the router (its relay) may open streams.
+        self.leases: LeaseVerifier | None = None
 
     async def GenerateSession(self, actions, context: grpc.aio.ServicerContext) -> None:
-        """Many Generate streams on one call; the router's way in (rpc/session_server.py)."""
-        await serve_session(actions, context, self.Generate)
+        """Many Generate streams on one call; the way in of the gateways and the router (rpc/session_server.py)."""
+        caller_role = _caller_role(context)
+        await serve_session(actions, context, lambda request, sink: self._generate(request, sink, caller_role))
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
-        """Colocated and disaggregated requests alike: open the stream (_open), then relay its outputs."""
+        await self._generate(request, context, _caller_role(context))
+
+    def _lease_refusal(self, request: pb.GenerateRequest, caller_role: str | None) -> str | None:
+        if self.leases is not None:
+            return self.leases.refusal(request)
+        if caller_role is not None and caller_role != "router":
+            return "this worker checks no leases (no --lease-secret-file): only its router may open streams"
+        return None
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                        caller_role: str | None) -> None:
+        """Colocated and disaggregated requests alike: open the stream (_open), then relay its outputs.
+        `caller_role`: the certificate role of who opened it (None: plaintext)."""
+        refusal = self._lease_refusal(request, caller_role)
+        if refusal is not None:
+            logger.warning("refused request %s: %s", request.request_id, refusal)
+            await context.write(error_response(pb.ERROR_CODE_LEASE_REFUSED, refusal, "lease", self.worker_id))
+            return
         if not self._serves(request.model):
             message = f"this worker serves {self.model.name}@{self.model.version}, not {request.model}"
             await context.write(error_response(pb.ERROR_CODE_MODEL_NOT_FOUND, message, "model", self.worker_id))
@@ -156,6 +178,11 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
         if identity is not None and identity.role != "router":
             load.ClearField("active_request_ids")  # which requests run here: the router's business only
         return load
+
+
+def _caller_role(context: grpc.aio.ServicerContext) -> str | None:
+    identity = peer_identity(context)
+    return identity.role if identity is not None else None
 
 
 def current_load(engine: AsyncEngine) -> pb.LoadReport:

@@ -22,6 +22,7 @@ from flotilla.engine.config import resolve_device
 from flotilla.engine.engine import LLMEngine
 from flotilla.engine.model.loader import check_checkpoint
 from flotilla.observability.exposition import serve_metrics
+from flotilla.rpc.leases import LeaseVerifier, read_secret
 from flotilla.rpc.options import address, aio_server, bind
 from flotilla.rpc.serving import announce, stop_on_signals
 from flotilla.worker.access import WORKER_POLICY
@@ -58,7 +59,10 @@ async def serve_shared(config: WorkerConfig, stop: asyncio.Event | None = None) 
         engine = AsyncEngine(lambda: LLMEngine(engine_config), stream_interval_s=config.stream_interval_s)
         await engine.start()
         changes.labels(name, "load").inc()
-        return ServedModel(entry, engine, WorkerService(engine, worker_id, entry.info, metrics))
+        service = WorkerService(engine, worker_id, entry.info, metrics)
+        if config.lease_secret_file:  # gateways stream here under the router's leases, as on any worker
+            service.leases = LeaseVerifier(read_secret(config.lease_secret_file), worker_id)
+        return ServedModel(entry, engine, service)
 
     async def unload(model: ServedModel) -> None:
         retired.retire(model.engine)

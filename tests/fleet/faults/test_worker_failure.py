@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 
 import httpx
 import pytest
@@ -102,6 +103,9 @@ async def test_kill_9_one_of_two_workers_mid_stream(fault_fleet, reference):
     assert all(r.model_version and r.finished_at >= r.started_at for r in records)
     assert any(r.attempts == 2 for r in records), "the killed worker held no stream: the test proved nothing"
     assert all(r.attempts in (1, 2) for r in records)
+    # The gateway, which streams from the workers under the router's leases, resumed them (not the router).
+    gateway_log = (fault_fleet.state_dir / "logs" / "gateway.log").read_text()
+    assert re.search(rf"lost worker {victim.name}: .* after [0-9]+ tokens", gateway_log)
 
 
 async def test_sigterm_moves_running_streams_within_the_grace_period(fault_fleet, reference):

@@ -1,5 +1,6 @@
 """One request through the real fleet processes: its trace, exported over OTLP/HTTP by the gateway, the
-router and the worker, is one tree with one trace id; and each process logs one JSON record for it."""
+router and the worker, is one tree with one trace id; and each process logs one JSON record for it. On the lease
+path the gateway's span is the parent of the router's placement (router.acquire) and of the worker's stream."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from tests.support.waiting import wait_until
 EXPECTED_TREE = {
     "gateway.request": ("flotilla-gateway", None),
     "gateway.generate": ("flotilla-gateway", "gateway.request"),
-    "router.generate": ("flotilla-router", "gateway.generate"),
-    "router.queue_wait": ("flotilla-router", "router.generate"),
-    "worker.generate": ("flotilla-worker", "router.generate"),
+    "router.acquire": ("flotilla-router", "gateway.generate"),
+    "router.queue_wait": ("flotilla-router", "router.acquire"),
+    "worker.generate": ("flotilla-worker", "gateway.generate"),
     "worker.prefill": ("flotilla-worker", "worker.generate"),
     "worker.decode": ("flotilla-worker", "worker.generate"),
 }
@@ -52,7 +53,7 @@ def test_one_trace_spans_gateway_router_and_worker(observed_fleet: Fleet):
         assert span.service == service, (name, span.service)
         assert span.parent_span_id == (by_name[parent].span_id if parent else ""), name
     assert 1 <= by_name["worker.generate"].attributes["flotilla.output_tokens"] <= 5
-    assert by_name["router.generate"].attributes["flotilla.outcome"] == "ok"
+    assert by_name["router.acquire"].attributes["flotilla.outcome"] == "ok"  # from the gateway's lease report
 
 
 def test_each_process_logs_one_json_record_per_request(observed_fleet: Fleet):

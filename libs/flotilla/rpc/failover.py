@@ -1,6 +1,8 @@
 """Worker failure during a request: place it again, or resume its stream on another worker.
 
-The router relays each token chunk to its caller as it arrives and remembers the token ids it relayed.
+Whoever reads the worker's stream (the gateway on the lease path, gateway/direct_stream.py; the router on
+the relay path, router/service.py) hands each token chunk to its caller as it arrives and remembers the token
+ids it delivered.
 When the worker goes away (a failed call: connection lost, cancelled by its shutdown; or an error event that
 says the worker, not the request, is at fault), the request is placed again through admission, on the same
 model version, away from the workers it was lost on (on a disaggregated pool the planner picks the decode
@@ -32,7 +34,8 @@ RETRY_AFTER_S = 1.0
 LOST_STATUSES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
                            grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED})
 # Error events a worker sends when it cannot serve (engine dead, draining, other weights now): retry elsewhere.
-LOST_ERROR_CODES = frozenset({pb.ERROR_CODE_UNAVAILABLE, pb.ERROR_CODE_INTERNAL, pb.ERROR_CODE_MODEL_NOT_FOUND})
+LOST_ERROR_CODES = frozenset({pb.ERROR_CODE_UNAVAILABLE, pb.ERROR_CODE_INTERNAL, pb.ERROR_CODE_MODEL_NOT_FOUND,
+                              pb.ERROR_CODE_LEASE_REFUSED})
 
 
 class WorkerLost(Exception):
@@ -79,9 +82,15 @@ class StreamProgress:
         """The request for the next attempt (counted), on exactly this model version."""
         self.num_attempts += 1
         self.model_version = qualified_model.partition("@")[2]
+        return self.placement_request(qualified_model)
+
+    def placement_request(self, model: str) -> pb.GenerateRequest:
+        """The request as the next attempt would send it (not counted): prompt + delivered tokens, the rest of
+        max_tokens, away from the workers it was lost on. What a lease is acquired with."""
         attempt = pb.GenerateRequest()
         attempt.CopyFrom(self.request)
-        attempt.model = qualified_model
+        attempt.model = model
+        attempt.avoid_worker_ids[:] = sorted(self.lost_worker_ids)
         if self.delivered_token_ids:
             attempt.prompt_token_ids.extend(self.delivered_token_ids)
             attempt.num_previous_output_tokens = self.request.num_previous_output_tokens + self.num_delivered
