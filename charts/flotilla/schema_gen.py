@@ -167,6 +167,10 @@ SCHEMA = {
                 "renewBefore": {"type": "string", "pattern": GO_DURATION},
                 "workerIdentity": {"enum": ["pool", "release"],
                                    "description": "one worker Certificate per pool, or one for the release"}}}}},
+        "leases": {"type": "object", "additionalProperties": False, "properties": {
+            "enabled": {"type": "boolean"}, "existingSecret": {"type": "string"},
+            "secret": {"type": "string", "anyOf": [{"maxLength": 0}, {"minLength": 16}],
+                       "description": "empty (random) or at least 16 characters"}}},
         "keys": {"type": "object", "additionalProperties": False, "properties": {
             "existingSecret": {"type": "string"}, "keysJson": {"type": "string"},
             "limits": {"type": "object", "properties": {"maxBodyBytes": {"type": "integer", "minimum": 1}}}}},

@@ -45,14 +45,15 @@ def rendered_case(name: str, *extra: str) -> tuple[dict, ...]:
 
 
 def worker_deployments(docs) -> list[dict]:
-    """What the operator creates for each rendered pool, with the workers' certificate Secret it was given."""
+    """What the operator creates for each rendered pool, with the workers' certificate and lease Secrets it was given."""
     built = []
     tls_secret = operator_env(docs).get("FLOTILLA_WORKER_TLS_SECRET", "")
+    lease_secret = operator_env(docs).get("FLOTILLA_WORKER_LEASE_SECRET", "")
     for pool in (doc for doc in docs if doc["kind"] == KIND):
         body = {"metadata": {**pool["metadata"], "namespace": NAMESPACE, "uid": "0000"}}
         spec = parse_spec(pool["spec"])
         own = (spec.worker.tls_secret or tls_secret) if tls_secret else ""  # OperatorConfig.worker_tls_secret_of
-        built.append(deployment(body, spec, 1, pool["spec"]["routerAddress"], own))
+        built.append(deployment(body, spec, 1, pool["spec"]["routerAddress"], own, lease_secret))
     return built
 
 

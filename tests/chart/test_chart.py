@@ -15,7 +15,7 @@ import yaml
 
 from flotilla.operator.manifests import deployment, service
 from flotilla.operator.pool_spec import parse_spec
-from tests.chart.rendering import CASES, CHART, documents, needs_helm, render
+from tests.chart.rendering import CASES, CHART, documents, needs_helm, operator_env, render
 
 KUBERNETES_VERSION = "1.35.0"
 # Kinds whose schemas kubernetes-validate does not ship: the chart's own CRD (checked below against the CRD's
@@ -24,11 +24,13 @@ KUBERNETES_VERSION = "1.35.0"
 CUSTOM_KINDS = {"FlotillaPool", "ServiceMonitor", "PodMonitor", "HTTPRoute"}
 
 pytestmark = needs_helm
+# The lease Secret is random where helm sees no cluster (`helm template`): a fixed one keeps the goldens stable.
+GOLDEN_LEASE_SECRET = ("--set", "leases.secret=golden-lease-secret-not-for-use")
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def rendered(request) -> tuple[str, str]:
-    result = render(CASES[request.param])
+    result = render(CASES[request.param], *GOLDEN_LEASE_SECRET)
     if result.returncode != 0:
         raise AssertionError(f"helm template failed for {request.param}:\n{result.stderr}")
     return request.param, result.stdout
@@ -117,3 +119,31 @@ def test_prefill_and_decode_blocks_have_the_same_shape():
               "extraEnv", "extraArgs"}
     for role in ("gateway", "router", "prefill", "decode", "operator"):
         assert common <= set(values[role]), role
+
+
+def test_lease_secret_is_random_per_install_and_mounted_by_the_router():
+    """Without leases.secret (and no cluster to read one back from) each install gets its own random secret;
+    the router mounts it and signs with it, and the operator names it to its worker pods."""
+    secrets = []
+    for _ in range(2):
+        docs = documents(render(None).stdout)
+        (secret,) = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == "flotilla-lease-secret"]
+        secrets.append(secret["stringData"]["secret"])
+    assert len(secrets[0]) == 64 and secrets[0] != secrets[1]
+    (router,) = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "flotilla-router"]
+    pod = router["spec"]["template"]["spec"]
+    assert "--lease-secret-file=/etc/flotilla/leases/secret" in pod["containers"][0]["args"]
+    assert {"name": "leases", "mountPath": "/etc/flotilla/leases", "readOnly": True} in pod["containers"][0]["volumeMounts"]
+    assert {"name": "leases", "secret": {"secretName": "flotilla-lease-secret", "defaultMode": 0o440}} in pod["volumes"]
+    assert operator_env(docs)["FLOTILLA_WORKER_LEASE_SECRET"] == "flotilla-lease-secret"
+
+
+def test_lease_secret_existing_or_off():
+    docs = documents(render(None, "--set", "leases.existingSecret=mine").stdout)
+    assert not [d for d in docs if d["kind"] == "Secret" and "lease" in d["metadata"]["name"]]
+    assert operator_env(docs)["FLOTILLA_WORKER_LEASE_SECRET"] == "mine"
+    docs = documents(render(None, "--set", "leases.enabled=false").stdout)
+    assert not [d for d in docs if d["kind"] == "Secret" and "lease" in d["metadata"]["name"]]
+    assert "FLOTILLA_WORKER_LEASE_SECRET" not in operator_env(docs)
+    (router,) = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "flotilla-router"]
+    assert not [a for a in router["spec"]["template"]["spec"]["containers"][0]["args"] if "lease" in a]

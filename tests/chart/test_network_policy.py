@@ -59,7 +59,7 @@ def open_paths(docs) -> set[tuple[str, str, int, str]]:
     return paths
 
 
-def expected_paths(pods: set[str], redis: str | None) -> set[tuple[str, str, int, str]]:
+def expected_paths(pods: set[str], redis: str | None, leases: bool = True) -> set[tuple[str, str, int, str]]:
     workers = sorted(p for p in pods if p.endswith("-worker"))
     paths = {(src, "gateway", 8080, "TCP") for src in outside()}  # networkPolicy.gatewayFrom empty: any source
     paths |= {("prometheus", service, 9090, "TCP") for service in ("gateway", "router", "operator")}
@@ -67,6 +67,8 @@ def expected_paths(pods: set[str], redis: str | None) -> set[tuple[str, str, int
     paths |= {("operator", "apiserver", 443, "TCP"), ("operator", "apiserver", 6443, "TCP")}
     for worker in workers:
         paths |= {(worker, "router", 50050, "TCP"), ("router", worker, 50051, "TCP"), ("prometheus", worker, 9091, "TCP")}
+        if leases:  # placement leases (on by default): the gateway streams from the workers
+            paths.add(("gateway", worker, 50051, "TCP"))
         for other in workers:  # KV transfer: gRPC, metrics port and UCX's own ports alike
             paths |= {(worker, other, port, "TCP") for port in (50051, 9091, UCX_PORT.number)}
     if redis == "chart":
@@ -101,6 +103,11 @@ def test_narrowed_gateway_sources_and_api_server():
     assert ("neighbour", "gateway", 8080, "TCP") not in paths
     assert ("operator", "apiserver", 443, "TCP") in paths
     assert ("operator", "external-redis", 6379, "TCP") not in paths
+
+
+def test_without_leases_only_the_router_reaches_the_workers():
+    docs = rendered_case("default", "--set", "leases.enabled=false")
+    assert open_paths(docs) == expected_paths(set(release_pods(docs)), None, leases=False)
 
 
 def test_disabled_renders_no_policy():

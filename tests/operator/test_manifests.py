@@ -70,3 +70,21 @@ def test_a_pool_with_its_own_worker_certificate_mounts_it():
     built = deployment(body, own, 1, "router:50050", config.worker_tls_secret_of(own))
     volumes = built["spec"]["template"]["spec"]["volumes"]
     assert {"name": "tls", "secret": {"secretName": "decode-a-tls", "defaultMode": 0o440}} in volumes
+
+
+def test_a_lease_secret_is_mounted_and_named_to_the_worker(monkeypatch):
+    from flotilla.operator.config import OperatorConfig
+
+    monkeypatch.setenv("FLOTILLA_WORKER_LEASE_SECRET", "rel-lease-secret")
+    lease_secret = OperatorConfig.from_env().worker_lease_secret
+    assert lease_secret == "rel-lease-secret"
+    pod = deployment(BODY, parse_spec(SPEC), 1, "router:50050", "", lease_secret)["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert {"name": "leases", "secret": {"secretName": "rel-lease-secret", "defaultMode": 0o440}} in pod["volumes"]
+    assert {"name": "leases", "mountPath": "/etc/flotilla/leases", "readOnly": True} in container["volumeMounts"]
+    args = container["args"]
+    assert args[args.index("--lease-secret-file") + 1] == "/etc/flotilla/leases/secret"
+    # without one: no lease check, nothing mounted
+    plain = deployment(BODY, parse_spec(SPEC), 1, "router:50050")["spec"]["template"]["spec"]
+    assert "--lease-secret-file" not in plain["containers"][0]["args"]
+    assert not [v for v in plain["volumes"] if v["name"] == "leases"]

@@ -165,3 +165,13 @@ internalTLS.enabled false, the --insecure-internal flag. */}}
   secret: {secretName: {{ include "flotilla.tlsSecret" . }}, defaultMode: 0440}
 {{- end -}}
 {{- end -}}
+
+{{- /* Placement leases (values leases): the Secret the router and the operator's worker pods share, or "" (off:
+the router relays every token). The router gets --lease-secret-file; the operator names it to its workers. */}}
+{{- define "flotilla.leaseSecret" -}}
+{{- with .Values.leases }}{{ if .enabled -}}
+{{ .existingSecret | default (printf "%s-lease-secret" (include "flotilla.name" $)) }}
+{{- end }}{{ end }}
+{{- end -}}
+
+{{- define "flotilla.leaseDir" -}}/etc/flotilla/leases{{- end -}}

@@ -25,6 +25,9 @@ class OperatorConfig:
     tls_dir: str = ""
     worker_tls_secret: str = ""
     insecure_internal: bool = False
+    # Placement leases: the Secret (key `secret`) its worker pods mount for --lease-secret-file, the router's
+    # signing secret, so gateways stream from them directly; "": the workers check no leases (router relays).
+    worker_lease_secret: str = ""
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0:
@@ -45,6 +48,7 @@ class OperatorConfig:
             tls_dir=os.environ.get("FLOTILLA_TLS_DIR", ""),
             worker_tls_secret=os.environ.get("FLOTILLA_WORKER_TLS_SECRET", ""),
             insecure_internal=os.environ.get("FLOTILLA_INSECURE_INTERNAL", "").lower() in ("1", "true", "yes"),
+            worker_lease_secret=os.environ.get("FLOTILLA_WORKER_LEASE_SECRET", ""),
         )
 
     def worker_tls_secret_of(self, pool: PoolSpec) -> str:

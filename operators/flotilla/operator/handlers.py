@@ -73,7 +73,8 @@ def register_handlers(registry: kopf.OperatorRegistry, config: OperatorConfig) -
         existing = kube.read_deployment(meta["namespace"], manifests.worker_name(meta["name"]))
         initial = pool.policy.min_replicas + pool.policy.warm_replicas
         address = pool.router_address or config.router_address
-        manifest = manifests.deployment(raw, pool, initial, address, config.worker_tls_secret_of(pool))
+        manifest = manifests.deployment(raw, pool, initial, address, config.worker_tls_secret_of(pool),
+                                        config.worker_lease_secret)
         kube.apply_deployment(manifest, keep_replicas=existing is not None)
         kube.apply_service(manifests.service(raw, pool))
         if pool.role in gaie.SERVING_ROLES and gaie_enabled():

@@ -16,6 +16,7 @@ DRAINED_DELETION_COST = "-1000"
 IMAGE_UID = 10001
 WRITABLE_PATHS = {"tmp": "/tmp", "cache": "/var/cache/flotilla", "shm": "/dev/shm"}
 TLS_DIR = "/etc/flotilla/tls"  # the workers' certificate Secret (ca.crt, tls.crt, tls.key), mounted read-only
+LEASE_DIR = "/etc/flotilla/leases"  # the router's placement-lease secret (key `secret`), mounted read-only
 
 
 def owner_reference(body: dict[str, Any]) -> dict[str, Any]:
@@ -44,9 +45,11 @@ def worker_name(pool_name: str) -> str:
 
 
 def deployment(body: dict[str, Any], spec: PoolSpec, replicas: int, router_address: str,
-               tls_secret: str = "") -> dict[str, Any]:
+               tls_secret: str = "", lease_secret: str = "") -> dict[str, Any]:
     """`tls_secret`: the Secret with the workers' mTLS certificate (a worker identity); "": the workers run
-    with --insecure-internal."""
+    with --insecure-internal. `lease_secret`: the Secret with the router's lease secret (key `secret`): the
+    workers then serve only streams with a valid placement lease, which gateways open on them directly; "":
+    no lease check (only the router streams from them)."""
     name = body["metadata"]["name"]
     selector = {POOL_LABEL: name}
     return {
@@ -67,21 +70,23 @@ def deployment(body: dict[str, Any], spec: PoolSpec, replicas: int, router_addre
                     "terminationGracePeriodSeconds": 120,
                     "automountServiceAccountToken": False,  # a worker never calls the Kubernetes API
                     "securityContext": pod_security_context(),
-                    "containers": [_container(spec, router_address, tls_secret)],
-                    "volumes": [*_writable_volumes(), *_tls_volumes(tls_secret), *spec.worker.volumes],
+                    "containers": [_container(spec, router_address, tls_secret, lease_secret)],
+                    "volumes": [*_writable_volumes(), *_tls_volumes(tls_secret), *_lease_volumes(lease_secret),
+                                *spec.worker.volumes],
                 },
             },
         },
     }
 
 
-def _container(spec: PoolSpec, router_address: str, tls_secret: str) -> dict[str, Any]:
+def _container(spec: PoolSpec, router_address: str, tls_secret: str, lease_secret: str) -> dict[str, Any]:
     port = spec.worker.port
     args = [
         "worker", "--host", "0.0.0.0", "--port", str(port), "--advertise-host", "$(POD_IP)",
         "--worker-id", "$(POD_NAME)", "--router", router_address,
         "--model-dir", spec.model.checkpoint, "--model-name", spec.model.name, "--role", spec.role,
-        "--metrics-port", str(METRICS_PORT), *([] if tls_secret else ["--insecure-internal"]), *spec.worker.args,
+        "--metrics-port", str(METRICS_PORT), *([] if tls_secret else ["--insecure-internal"]),
+        *(["--lease-secret-file", f"{LEASE_DIR}/secret"] if lease_secret else []), *spec.worker.args,
     ]  # fmt: skip
     env = [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -98,6 +103,7 @@ def _container(spec: PoolSpec, router_address: str, tls_secret: str) -> dict[str
         "securityContext": CONTAINER_SECURITY_CONTEXT,
         "volumeMounts": [*({"name": name, "mountPath": path} for name, path in WRITABLE_PATHS.items()),
                          *([{"name": "tls", "mountPath": TLS_DIR, "readOnly": True}] if tls_secret else []),
+                         *([{"name": "leases", "mountPath": LEASE_DIR, "readOnly": True}] if lease_secret else []),
                          *spec.worker.volume_mounts],
     }
     if spec.worker.resources:
@@ -122,6 +128,10 @@ def _writable_volumes() -> list[dict[str, Any]]:
 
 def _tls_volumes(tls_secret: str) -> list[dict[str, Any]]:
     return [{"name": "tls", "secret": {"secretName": tls_secret, "defaultMode": 0o440}}] if tls_secret else []
+
+
+def _lease_volumes(lease_secret: str) -> list[dict[str, Any]]:
+    return [{"name": "leases", "secret": {"secretName": lease_secret, "defaultMode": 0o440}}] if lease_secret else []
 
 
 def _probes(port: int) -> dict[str, Any]:
