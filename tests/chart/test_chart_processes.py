@@ -25,8 +25,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from flotilla.api.router.v1 import router_pb2, router_pb2_grpc
 from flotilla.operator.manifests import service
 from flotilla.operator.pool_spec import KIND, parse_spec
+from flotilla.rpc.options import sync_channel
+from flotilla.rpc.tls import InternalTLS
 from flotilla.tenancy.keys import KeyEntry, generate_key, hash_key, write_keys_file
 from tests.chart.local_kubelet import LocalKubelet, Pod
 from tests.chart.rendering import CASES, NAMESPACE, documents, needs_helm, render, worker_deployments
@@ -49,6 +52,7 @@ class Release:
     api_key: str
 
     route: tuple[str, int | str]  # the Service and port the release's Ingress or HTTPRoute sends clients to
+    certs: Path  # `flotilla certs --out` of this release: DIR/<role> holds each role's certificate
 
     @property
     def gateway_url(self) -> str:
@@ -139,7 +143,7 @@ def release(request, tmp_path_factory, tiny_checkpoint) -> Release:
             kubelet.wait_ready(pod, READY_TIMEOUT_S)
             if _component(pod) == "redis":
                 api_key = _create_redis_key(kubelet, redis_password)
-        yield Release(case, kubelet, pods, models, api_key, _route(docs))
+        yield Release(case, kubelet, pods, models, api_key, _route(docs), tmp / "certs")
     finally:
         kubelet.stop_all()
 
@@ -220,6 +224,18 @@ def test_anthropic_sdk_streamed_and_not(release):
         final = stream.get_final_message()
     assert streamed == message.content[0].text
     assert final.usage.output_tokens == message.usage.output_tokens
+
+
+def test_the_router_grants_placement_leases(release):
+    """The chart's lease Secret reaches the router (and, through the operator, the workers): the router says it
+    signs leases, so the gateway (--stream-path auto) streams from the workers, not through the router; the
+    streamed tests here then ran on that path (workers with --lease-secret-file refuse streams without one)."""
+    tls = InternalTLS.from_dir(release.certs / "gateway", reload=False)
+    with sync_channel(release.kubelet.endpoint("flotilla-router", "grpc"), tls, "router") as channel:
+        answer = router_pb2_grpc.RouterServiceStub(channel).ListModels(router_pb2.ListModelsRequest(), timeout=10)
+    assert answer.grants_leases
+    workers = [c for p in release.pods for c in p.containers if c.name == "worker"]
+    assert workers and all("--lease-secret-file" in c.spec["args"] for c in workers)
 
 
 def test_disaggregated_requests_move_kv_from_the_prefill_pod(release):

@@ -63,11 +63,16 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
 
     async def GenerateSession(self, actions, context: grpc.aio.ServicerContext) -> None:
         """Many Generate streams on one call; the way in of the gateways and the router (rpc/session_server.py)."""
-        caller_role = _caller_role(context)
+        caller_role = caller_role_of(context)
         await serve_session(actions, context, lambda request, sink: self._generate(request, sink, caller_role))
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
-        await self._generate(request, context, _caller_role(context))
+        await self._generate(request, context, caller_role_of(context))
+
+    async def generate_as(self, request: pb.GenerateRequest, context, caller_role: str | None) -> None:
+        """Generate for a caller whose role is known already: a session's stream (its sink has no auth context;
+        the role is the session's)."""
+        await self._generate(request, context, caller_role)
 
     def _lease_refusal(self, request: pb.GenerateRequest, caller_role: str | None) -> str | None:
         if self.leases is not None:
@@ -180,7 +185,7 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
         return load
 
 
-def _caller_role(context: grpc.aio.ServicerContext) -> str | None:
+def caller_role_of(context: grpc.aio.ServicerContext) -> str | None:
     identity = peer_identity(context)
     return identity.role if identity is not None else None
 

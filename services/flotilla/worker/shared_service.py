@@ -22,7 +22,7 @@ from flotilla.rpc.convert import error_response
 from flotilla.rpc.session_server import serve_session
 from flotilla.rpc.tls import peer_identity
 from flotilla.worker.model_cache import ModelCache, ModelLoadError
-from flotilla.worker.service import WorkerService, current_load
+from flotilla.worker.service import WorkerService, caller_role_of, current_load
 from flotilla.worker.shared_catalog import CatalogEntry, find_entry
 
 logger = logging.getLogger(__name__)
@@ -63,9 +63,14 @@ class SharedWorkerService(worker_pb2_grpc.WorkerServiceServicer):
         return self.catalog[name].qualified
 
     async def GenerateSession(self, actions, context: grpc.aio.ServicerContext) -> None:
-        await serve_session(actions, context, self.Generate)
+        # The caller's role is the session's: each stream's sink has no auth context of its own.
+        role = caller_role_of(context)
+        await serve_session(actions, context, lambda request, sink: self._generate(request, sink, role))
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        await self._generate(request, context, caller_role_of(context))
+
+    async def _generate(self, request: pb.GenerateRequest, context, caller_role: str | None) -> None:
         entry = find_entry(self.catalog, request.model)
         if entry is None:
             await context.write(error_response(pb.ERROR_CODE_MODEL_NOT_FOUND,
@@ -78,7 +83,7 @@ class SharedWorkerService(worker_pb2_grpc.WorkerServiceServicer):
             await context.write(error_response(pb.ERROR_CODE_UNAVAILABLE, str(err), worker_id=self.worker_id))
             return
         try:
-            await model.served.service.Generate(request, context)
+            await model.served.service.generate_as(request, context, caller_role)
         finally:
             self.cache.release(model)
 
