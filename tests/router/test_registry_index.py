@@ -3,8 +3,6 @@ eviction and state changes: placement inputs read from them match the workers re
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 
 from flotilla.api.common.v1 import common_pb2 as pb
@@ -42,7 +40,7 @@ def versions(registry: WorkerRegistry) -> list[tuple[str, str, float, bool]]:
     return sorted((r.name, r.version, r.first_registered, r.has_healthy_worker) for r in registry.model_versions())
 
 
-def test_reregistration_with_other_weights_moves_the_worker_between_versions():
+async def test_reregistration_with_other_weights_moves_the_worker_between_versions():
     registry, clock = make()
     register(registry, "w1")
     clock.now = 101.0
@@ -65,7 +63,7 @@ def test_reregistration_with_other_weights_moves_the_worker_between_versions():
     assert len(registry._token_workers()) == 3
 
 
-def test_deregistration_eviction_and_state_leave_no_stale_candidates():
+async def test_deregistration_eviction_and_state_leave_no_stale_candidates():
     registry, clock = make()
     register(registry, "w1")
     register(registry, "w2", model="other")
@@ -82,5 +80,5 @@ def test_deregistration_eviction_and_state_leave_no_stale_candidates():
     clock.now = 102.0  # w2's heartbeat is overdue: unhealthy, still registered
     assert versions(registry) == [("other", "v1", 100.0, False)]
     clock.now = 200.0  # and evicted
-    asyncio.run(registry.sweep())
+    await registry.sweep()
     assert registry.model_versions() == [] and registry.workers() == [] and registry._token_workers() == []
