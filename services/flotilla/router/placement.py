@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from flotilla.router.context_pools import ContextThresholds, PoolRequest, pool_tiers
 
 
-@dataclass(frozen=True)
-class WorkerLoad:
+class WorkerLoad(NamedTuple):  # a tuple, not a frozen dataclass: built for every candidate of every placement
     worker_id: str
     num_queued_tokens: int  # known but not yet computed tokens, incl. prompts placed since the last report
     num_requests: int  # running + waiting, incl. requests placed since the last report
@@ -95,8 +95,7 @@ class AffinityLimits:
             raise ValueError("affinity margins must be >= 0 and min_remote_prefill_tokens >= 1")
 
 
-@dataclass(frozen=True)
-class Candidate:
+class Candidate(NamedTuple):
     load: WorkerLoad
     num_cached_blocks: int  # leading blocks of the request's prompt in the worker's prefix cache
 

@@ -114,6 +114,13 @@ class WorkerRegistry:
         self._clock = clock
         self._channel_factory = channel_factory
         self._workers: dict[str, WorkerEntry] = {}
+        # Indexes over _workers, kept on every membership change (register, deregister, eviction) so that a
+        # placement reads only its model version's workers, not the whole fleet. An entry's model, version and
+        # kind never change (a re-registration makes a new entry); state and health are read at placement.
+        self._kinds: dict[str, dict[str, WorkerEntry]] = {"token": {}, "shared": {}, "fixed_batch": {}}
+        self._token_by_version: dict[tuple[str, str], dict[str, WorkerEntry]] = {}  # token workers of a version
+        self._token_by_name: dict[str, dict[str, WorkerEntry]] = {}
+        self._first_registered: dict[tuple[str, str], float] = {}  # (name, version) -> earliest registered_at
         self._tenant_assigned: Counter[tuple[str, str]] = Counter()  # (model name, tenant) -> requests placed
         # Replaced or removed workers whose channels sweep() closes once their relayed streams ended
         # (a worker that deregisters to drain still finishes its streams).
@@ -151,6 +158,7 @@ class WorkerRegistry:
         elif pending is not None:
             entry.state = pending[0]
         self._workers[info.worker_id] = entry
+        self._index(entry, old)
         if old is not None:
             self.assets.retain(self.announced_assets())
         served = (f"shared pool of {', '.join(m.name for m in info.shared.models)}" if entry.is_shared
@@ -179,10 +187,47 @@ class WorkerRegistry:
         entry = self._workers.pop(worker_id, None)
         if entry is None:
             return False
+        self._unindex(entry)
         self._closing.append(entry)
         self.assets.retain(self.announced_assets())
         logger.info("worker %s deregistered", worker_id)
         return True
+
+    # ---- membership indexes (a bucket is a dict worker id -> entry, in registration order) -----------
+    def _buckets(self, entry: WorkerEntry) -> list[tuple[dict, object]]:
+        """The (index, key) pairs whose bucket holds this entry."""
+        if entry.is_shared:
+            return [(self._kinds, "shared")]
+        if entry.is_fixed_batch:
+            return [(self._kinds, "fixed_batch")]
+        return [(self._kinds, "token"), (self._token_by_version, (entry.model_name, entry.version)),
+                (self._token_by_name, entry.model_name)]
+
+    def _index(self, entry: WorkerEntry, old: WorkerEntry | None) -> None:
+        """Put a (re-)registered entry in its buckets; a replaced one keeps its place where its buckets stay."""
+        if old is not None and [k for _, k in self._buckets(old)] != [k for _, k in self._buckets(entry)]:
+            self._unindex(old)
+        for index, key in self._buckets(entry):
+            index.setdefault(key, {})[entry.worker_id] = entry
+        self._refresh_first_registered(entry)
+
+    def _unindex(self, entry: WorkerEntry) -> None:
+        for index, key in self._buckets(entry):
+            bucket = index.get(key, {})
+            bucket.pop(entry.worker_id, None)
+            if not bucket and index is not self._kinds:
+                index.pop(key, None)
+        self._refresh_first_registered(entry)
+
+    def _refresh_first_registered(self, entry: WorkerEntry) -> None:
+        if entry.is_shared or entry.is_fixed_batch:
+            return
+        key = (entry.model_name, entry.version)
+        group = self._token_by_version.get(key)
+        if group:
+            self._first_registered[key] = min(e.registered_at for e in group.values())
+        else:
+            self._first_registered.pop(key, None)
 
     def set_state(self, worker_id: str, state: int) -> tuple[bool, int]:
         """Put a worker in or out of rotation; (registered, previous state). For an unknown id the state is
@@ -259,35 +304,34 @@ class WorkerRegistry:
 
     def _all_healthy(self, name: str, version: str) -> list[WorkerEntry]:
         return [
-            e for e in self._token_workers()
-            if e.model_name == name and e.version == version and self.is_healthy(e)
-            and e.state == rpb.WORKER_STATE_ACTIVE
+            e for e in self._token_by_version.get((name, version), {}).values()
+            if e.state == rpb.WORKER_STATE_ACTIVE and self.is_healthy(e)
         ]
 
     def has_healthy_worker(self, name: str) -> bool:
-        return any(e.model_name == name and self.is_healthy(e) for e in self._token_workers()) or any(
+        return any(self.is_healthy(e) for e in self._token_by_name.get(name, {}).values()) or any(
             self.is_healthy(e) and any(m.name == name for m in e.info.shared.models) for e in self.shared_workers())
 
     def has_active_replica(self, name: str) -> bool:
         """A worker in rotation is registered for this model, healthy or not; without one the model is cold
         (its pool scaling from zero, or only warm replicas not promoted yet). A shared-pool worker counts while
         it holds the model loaded: until then the model is cold too (its load is its cold start)."""
-        return any(e.model_name == name and e.state == rpb.WORKER_STATE_ACTIVE for e in self._token_workers()) or any(
+        return any(e.state == rpb.WORKER_STATE_ACTIVE for e in self._token_by_name.get(name, {}).values()) or any(
             e.state == rpb.WORKER_STATE_ACTIVE and any(m.partition("@")[0] == name for m in e.report.loaded_models)
             for e in self.shared_workers())
 
     def _token_workers(self) -> list[WorkerEntry]:
         """Workers of one model on the token path (Generate); fixed-batch workers are the batch dispatcher's,
         shared-pool workers the shared pool's (shared_pool.py)."""
-        return [e for e in self._workers.values() if not e.is_fixed_batch and not e.is_shared]
+        return list(self._kinds["token"].values())
 
     def shared_workers(self) -> list[WorkerEntry]:
         """Shared-pool workers, in any state and health."""
-        return [e for e in self._workers.values() if e.is_shared]
+        return list(self._kinds["shared"].values())
 
     def fixed_batch_workers(self, name: str) -> list[WorkerEntry]:
         """Fixed-batch workers of a model, in any state and health (the dispatcher filters)."""
-        return [e for e in self._workers.values() if e.is_fixed_batch and e.model_name == name]
+        return [e for e in self._kinds["fixed_batch"].values() if e.model_name == name]
 
     def can_take_batch(self, entry: WorkerEntry) -> bool:
         return self.is_healthy(entry) and entry.state == rpb.WORKER_STATE_ACTIVE
@@ -337,14 +381,11 @@ class WorkerRegistry:
         )
 
     def model_versions(self) -> list[ModelVersionRef]:
-        refs: dict[tuple[str, str], ModelVersionRef] = {}
-        for entry in self._token_workers():
-            key = (entry.model_name, entry.version)
-            old = refs.get(key)
-            healthy = self.is_healthy(entry) or (old is not None and old.has_healthy_worker)
-            first = min(entry.registered_at, old.first_registered) if old is not None else entry.registered_at
-            refs[key] = ModelVersionRef(entry.model_name, entry.version, first, healthy)
-        for entry in self.shared_workers():  # every model a shared-pool worker can load is served
+        refs: dict[tuple[str, str], ModelVersionRef] = {
+            key: ModelVersionRef(key[0], key[1], self._first_registered[key], any(map(self.is_healthy, entries.values())))
+            for key, entries in self._token_by_version.items()
+        }  # in the order of each version's first worker in _workers, as a scan of the workers would give
+        for entry in self._kinds["shared"].values():  # every model a shared-pool worker can load is served
             for model in entry.info.shared.models:
                 old = refs.get((model.name, model.version))
                 healthy = self.is_healthy(entry) or (old is not None and old.has_healthy_worker)
@@ -355,8 +396,8 @@ class WorkerRegistry:
     def model_info(self, name: str, version: str) -> pb.ModelInfo | None:
         """The version's model info, with the widest context window among its workers: a long-context pool may
         hold prompts the default pool cannot (placement sends each prompt only where it fits)."""
-        infos = [model for entry in [*self._token_workers(), *self.shared_workers()] for model in _models_of(entry)
-                 if model.name == name and model.version == version]
+        infos = [model for entry in [*self._token_by_version.get((name, version), {}).values(), *self._kinds["shared"].values()]
+                 for model in _models_of(entry) if model.name == name and model.version == version]
         return max(infos, key=lambda info: info.max_model_len) if infos else None
 
     def status(self, entry: WorkerEntry) -> rpb.WorkerStatus:
