@@ -117,6 +117,24 @@ class RouterPool:
                 last_error = err
         raise last_error
 
+    async def queue_load(self, models: Sequence[str]) -> router_pb2.GetQueueLoadResponse:
+        """Each model's backlog from the router that owns it (its queue is there); a model whose owner does not
+        answer is left out (the poller reads that as no signal: nothing is degraded)."""
+        by_owner: dict[RouterClient, list[str]] = {}
+        for model in models:
+            by_owner.setdefault(self.router_for(model), []).append(model)
+        answers = await asyncio.gather(*(client.queue_load(names) for client, names in by_owner.items()),
+                                       return_exceptions=True)
+        merged = router_pb2.GetQueueLoadResponse()
+        for client, answer in zip(by_owner, answers):
+            if isinstance(answer, grpc.RpcError):
+                self.on_call_error(client, answer)
+            elif isinstance(answer, BaseException):
+                raise answer
+            else:
+                merged.models.extend(answer.models)
+        return merged
+
     async def list_models(self) -> list[common.ModelInfo]:
         """Every router's list, each model name as its owning router lists it (its current version first); raises
         the first router's error when none answers."""

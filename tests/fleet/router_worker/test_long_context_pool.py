@@ -7,6 +7,7 @@ single-pool run); the router's metrics count placements and waiters by pool."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import grpc
 import pytest
@@ -18,6 +19,7 @@ from flotilla.api.worker.v1 import worker_pb2_grpc
 from flotilla.engine.new_request import NewRequest
 from flotilla.engine.sampling_params import SamplingParams
 from flotilla.rpc.convert import new_request_to_proto
+from flotilla.rpc.leases import LeaseSigner, read_secret
 
 from tests.support.fleet import fleet_config, start_fleet
 from tests.support.tls import channel
@@ -89,10 +91,18 @@ def test_workers_register_in_their_pools_and_an_unknown_pool_is_refused(fleet):
 
 def test_long_and_short_prompts_land_in_their_pools_with_single_pool_output(fleet):
     stub = router(fleet)
-    with channel(fleet.fleet.workers[0].address, "worker") as worker_channel:  # the default worker alone
+    worker = fleet.fleet.workers[0]
+    secret = read_secret(Path(fleet.state_dir) / "lease-secret")  # the worker serves only leased streams
+
+    def leased(generate_request: pb.GenerateRequest) -> pb.GenerateRequest:
+        generate_request.lease.CopyFrom(LeaseSigner(secret, 30.0).grant(generate_request.request_id, DEFAULT_WORKER,
+                                                                         worker.address, generate_request.model))
+        return generate_request
+
+    with channel(worker.address, "worker") as worker_channel:  # the default worker alone
         direct = worker_pb2_grpc.WorkerServiceStub(worker_channel)
-        expected_long, _ = run(direct, request("ref-long", LONG_PROMPT, GREEDY))
-        expected_short, _ = run(direct, request("ref-short", SHORT_PROMPT, GREEDY))
+        expected_long, _ = run(direct, leased(request("ref-long", LONG_PROMPT, GREEDY)))
+        expected_short, _ = run(direct, leased(request("ref-short", SHORT_PROMPT, GREEDY)))
     wait_until(lambda: all(s.load.num_running + s.load.num_waiting == 0 for s in fleet.router_workers().values()),
                10, "the router to see both workers idle (a full default worker would lend the short prompt out)")
     # One at a time, on an idle fleet: each goes to its own pool (the default worker's prefix cache makes the
