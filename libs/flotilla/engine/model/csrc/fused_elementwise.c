@@ -1,0 +1,72 @@
+/* The element-wise work of a Llama layer on the CPU in one pass each, float32, rows in parallel.
+ *
+ * In torch each of these is 2-10 ops, each a pass over memory and an OpenMP region of its own (a region is
+ * what costs most on a machine whose cores are shared). The arithmetic is transformers' step for step, built
+ * without FMA contraction: RoPE is bit-equal to the torch path, RMSNorm differs only in the order of its sum
+ * of squares, SiLU in expf.
+ *
+ *   add_rms_norm_f32   x [rows, n] (+= delta when delta != NULL, in place), out = weight * (x * rsqrt(mean(x^2) + eps))
+ *   silu_mul_f32       gate_up [rows, 2 * n] -> out [rows, n] = silu(gate) * up
+ *   rope_neox_f32      q/k heads in place inside qkv [rows, row_stride]: x * cos + rotate_half(x) * sin on the
+ *                      first rotary_dim features of each head; cos_sin [2, rows, rotary_dim]
+ */
+#include <math.h>
+#include <stdint.h>
+
+void add_rms_norm_f32(float *x, const float *delta, const float *weight, float *out, int64_t rows, int64_t n,
+                      float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n > 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        float *xr = x + r * n;
+        if (delta != 0) {
+            const float *dr = delta + r * n;
+#pragma omp simd
+            for (int64_t i = 0; i < n; i++) xr[i] = xr[i] + dr[i];
+        }
+        float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t i = 0; i < n; i++) squares += xr[i] * xr[i];
+        const float scale = 1.0f / sqrtf(squares / (float)n + eps);
+        float *o = out + r * n;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) o[i] = weight[i] * (xr[i] * scale);
+    }
+}
+
+void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t n, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n > 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gate_up + r * 2 * n;
+        const float *up = gate + n;
+        float *o = out + r * n;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+}
+
+static void rotate_heads(float *x, const float *cos, const float *sin, int64_t num_heads, int64_t head_dim,
+                         int64_t half) {
+    for (int64_t h = 0; h < num_heads; h++) {
+        float *a = x + h * head_dim;
+        float *b = a + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; i++) {
+            const float x1 = a[i], x2 = b[i];
+            a[i] = x1 * cos[i] + (-x2) * sin[i];
+            b[i] = x2 * cos[half + i] + x1 * sin[half + i];
+        }
+    }
+}
+
+void rope_neox_f32(float *qkv, const float *cos_sin, int64_t rows, int64_t row_stride, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim, int num_threads) {
+    const int64_t half = rotary_dim / 2;
+    const float *cos_table = cos_sin, *sin_table = cos_sin + rows * rotary_dim;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * (num_heads + num_kv_heads) * head_dim > 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        float *q = qkv + r * row_stride;
+        const float *cos = cos_table + r * rotary_dim, *sin = sin_table + r * rotary_dim;
+        rotate_heads(q, cos, sin, num_heads, head_dim, half);
+        rotate_heads(q + num_heads * head_dim, cos, sin, num_kv_heads, head_dim, half);
+    }
+}
