@@ -1,6 +1,7 @@
 """Where an engine step's time goes: torch.profiler over a prefill-heavy and a decode-heavy step of the bench
 workload's shapes, each op's self time put in one of matmul / attention / element-wise / other, and the rest
-of the step's wall time (Python: scheduler, metadata, sampling, module calls) as overhead. Ends with one JSON line.
+of the step's wall time (Python: scheduler, metadata, sampling, module calls) as overhead. The C kernels (ctypes calls) are labelled: fused_ops::* counts as element-wise,
+decode_kernel::* as attention. Ends with one JSON line.
 
     python loadtest/profile_engine.py --size small --steps 3
 """
@@ -18,10 +19,11 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.engine import LLMEngine
+from flotilla.engine.model import decode_kernel, fused_ops
 from flotilla.engine.new_request import NewRequest
 from flotilla.engine.sampling_params import SamplingParams
 from flotilla.models.checkpoint import SIZES
@@ -38,11 +40,28 @@ def category(name: str) -> str:
     lowered = name.lower()
     if name in MATMUL:
         return "matmul"
+    if name.startswith("fused_ops::"):
+        return "elementwise"
     if any(key in lowered for key in ATTENTION):
         return "attention"
     if name.startswith("aten::") and name not in OTHER:
         return "elementwise"
     return "other"
+
+
+def _label_kernels() -> None:
+    """The C kernels are ctypes calls, invisible to the profiler: give each a named range of its own."""
+    for module, names in ((fused_ops, ("rms_norm", "add_rms_norm", "silu_mul", "rope_in_place")),
+                          (decode_kernel, ("paged_decode_attention",))):
+        for name in names:
+            setattr(module, name, _labelled(f"{module.__name__.rsplit('.', 1)[-1]}::{name}", getattr(module, name)))
+
+
+def _labelled(label: str, function):
+    def call(*args, **kwargs):
+        with record_function(label):
+            return function(*args, **kwargs)
+    return call
 
 
 def profile_steps(engine: LLMEngine, num_steps: int) -> dict:
@@ -78,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    _label_kernels()
     model_dir = str(ensure_checkpoint(default_cache_dir(), args.size))
     rng = random.Random(0)
     vocab = 1000
