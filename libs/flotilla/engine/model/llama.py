@@ -94,10 +94,21 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, rotations, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        """x: the residual stream, which the layer may update in place (the CPU's fused add + norm)."""
-        attended = self.self_attn(self.input_layernorm(x), rotations, meta, kv_cache)
+        x, mlp_out = self.forward_residual(x, None, rotations, meta, kv_cache)
+        return x + mlp_out
+
+    def forward_residual(self, x, pending: torch.Tensor | None, rotations, meta: AttentionMetadata,
+                         kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer with its residual adds left to the next norm: its input is x + pending (pending: the last
+        layer's MLP output, or None) and it returns (its residual stream, its MLP output). On the CPU each add
+        runs inside the norm that follows it and writes into x (fused_ops.add_rms_norm)."""
+        if pending is None:
+            normed = self.input_layernorm(x)
+        else:
+            x, normed = self.input_layernorm.add_and_norm(x, pending)
+        attended = self.self_attn(normed, rotations, meta, kv_cache)
         x, normed = self.post_attention_layernorm.add_and_norm(x, attended)
-        return x + self.mlp(normed)
+        return x, self.mlp(normed)
 
 
 class LlamaModel(nn.Module):
@@ -146,11 +157,18 @@ class LlamaForCausalLM(nn.Module):
         meta = attn_metadata
         rotations = [rope.cos_sin(positions, meta.rope_lens, x.dtype, meta.max_rope_len)
                      for rope in self.model.rotary_embeddings()]  # once per step, for every layer
+        pending = None  # a Llama layer's MLP output, added to x in the next norm
         for index, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
-            x = layer(x, rotations, attn_metadata, kv_cache)
+            if isinstance(layer, LlamaDecoderLayer):
+                x, pending = layer.forward_residual(x, pending, rotations, attn_metadata, kv_cache)
+            else:
+                x = layer(x if pending is None else x + pending, rotations, attn_metadata, kv_cache)
+                pending = None
             if layer_callback is not None:
                 layer_callback(index)
-        return self.model.norm(x)
+        if pending is None:
+            return self.model.norm(x)
+        return self.model.norm.add_and_norm(x, pending)[1]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]; the matmul (and Gemma's soft-cap) in the model dtype, as in HF."""
