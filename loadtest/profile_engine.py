@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.engine import LLMEngine
-from flotilla.engine.model import decode_kernel, fused_ops
+from flotilla.engine.model import decode_kernel
 from flotilla.engine.new_request import NewRequest
 from flotilla.engine.sampling_params import SamplingParams
 from flotilla.models.checkpoint import SIZES
@@ -51,8 +51,14 @@ def category(name: str) -> str:
 
 def _label_kernels() -> None:
     """The C kernels are ctypes calls, invisible to the profiler: give each a named range of its own."""
-    for module, names in ((fused_ops, ("rms_norm", "add_rms_norm", "silu_mul", "rope_in_place")),
-                          (decode_kernel, ("paged_decode_attention",))):
+    try:
+        from flotilla.engine.model import fused_ops
+    except ImportError:  # an engine from before the fused element-wise kernels (A/B against an older checkout)
+        fused_ops = None
+    kernels = [(decode_kernel, ("paged_decode_attention",))]
+    if fused_ops is not None:
+        kernels.append((fused_ops, ("rms_norm", "add_rms_norm", "silu_mul", "rope_in_place")))
+    for module, names in kernels:
         for name in names:
             setattr(module, name, _labelled(f"{module.__name__.rsplit('.', 1)[-1]}::{name}", getattr(module, name)))
 

@@ -16,7 +16,7 @@ def torch_rms_norm(x, weight, eps):
 
 
 @needs_kernel
-@pytest.mark.parametrize(("rows", "n"), [(1, 8), (7, 257), (300, 768), (3, 1)])
+@pytest.mark.parametrize(("rows", "n"), [(1, 8), (7, 257), (300, 768), (3, 1), (1400, 769)])  # the last runs threaded
 def test_rms_norm_and_residual_add_match_torch(rows, n):
     torch.manual_seed(0)
     x, delta, weight = torch.randn(rows, n) * 3, torch.randn(rows, n), torch.randn(n)
@@ -31,7 +31,7 @@ def test_rms_norm_and_residual_add_match_torch(rows, n):
 
 
 @needs_kernel
-@pytest.mark.parametrize(("rows", "n"), [(1, 5), (9, 704), (130, 2304)])
+@pytest.mark.parametrize(("rows", "n"), [(1, 5), (9, 704), (130, 2304), (500, 2305)])  # the last runs threaded
 def test_silu_mul_matches_torch(rows, n):
     torch.manual_seed(1)
     gate_up = torch.randn(rows, 2 * n) * 4
@@ -46,7 +46,7 @@ def test_silu_mul_matches_torch(rows, n):
 def test_rope_in_place_equals_apply_rotary(heads, kv_heads, head_dim, rotary_dim):
     """GQA, odd head counts, partial rotary: q and k rotated, v untouched, bit for bit as apply_rotary."""
     torch.manual_seed(2)
-    rows = 11
+    rows = 1100 if heads == 12 else 11  # 1100 rows of 12 + 4 heads of 64 run threaded
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim)
     angles = torch.randn(rows, 1, rotary_dim // 2).repeat(1, 1, 2) * 5
     cos_sin = torch.stack((angles.cos(), angles.sin()))  # [2, T, 1, rotary_dim], halves repeated as in RoPE

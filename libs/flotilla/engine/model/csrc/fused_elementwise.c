@@ -14,9 +14,13 @@
 #include <stdint.h>
 #include <string.h>
 
+/* Below this many elements a pass runs on one thread: it takes microseconds, while waking a parked OpenMP thread
+ * (and, on shared cores, waiting for it to be scheduled) can take milliseconds. */
+#define PARALLEL_MIN_ELEMENTS (1 << 20)
+
 void add_rms_norm_f32(float *x, const float *delta, const float *weight, float *out, int64_t rows, int64_t n,
                       float eps, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n > 32768)
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n > PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         float *xr = x + r * n;
         if (delta != 0) {
@@ -66,7 +70,7 @@ static inline v8f exp8(v8f x) {
 static inline v8f silu_mul8(v8f gate, v8f up) { return gate / (1.0f + exp8(-gate)) * up; }
 
 void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t n, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n > 32768)
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n > PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gate_up + r * 2 * n;
         const float *up = gate + n;
@@ -107,7 +111,7 @@ void rope_neox_f32(float *qkv, const float *cos_sin, int64_t rows, int64_t row_s
                    int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim, int num_threads) {
     const int64_t half = rotary_dim / 2;
     const float *cos_table = cos_sin, *sin_table = cos_sin + rows * rotary_dim;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * (num_heads + num_kv_heads) * head_dim > 32768)
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * (num_heads + num_kv_heads) * head_dim > PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         float *q = qkv + r * row_stride;
         const float *cos = cos_table + r * rotary_dim, *sin = sin_table + r * rotary_dim;
