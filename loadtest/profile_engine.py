@@ -1,7 +1,7 @@
 """Where an engine step's time goes: torch.profiler over a prefill-heavy and a decode-heavy step of the bench
 workload's shapes, each op's self time put in one of matmul / attention / element-wise / other, and the rest
-of the step's wall time (Python: scheduler, metadata, sampling, module calls) as overhead. The C kernels (ctypes calls) are labelled: fused_ops::* counts as element-wise,
-decode_kernel::* as attention. Ends with one JSON line.
+of the step's wall time (Python: scheduler, metadata, sampling, module calls) as overhead. The C kernels (ctypes
+calls) are labelled: fused_ops::* counts as element-wise, decode_kernel::* as attention. Prints one JSON object.
 
     python loadtest/profile_engine.py --size small --steps 3
 """

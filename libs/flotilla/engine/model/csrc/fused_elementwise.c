@@ -111,7 +111,8 @@ void rope_neox_f32(float *qkv, const float *cos_sin, int64_t rows, int64_t row_s
                    int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim, int num_threads) {
     const int64_t half = rotary_dim / 2;
     const float *cos_table = cos_sin, *sin_table = cos_sin + rows * rotary_dim;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * (num_heads + num_kv_heads) * head_dim > PARALLEL_MIN_ELEMENTS)
+    const int64_t elements = rows * (num_heads + num_kv_heads) * head_dim;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (elements > PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         float *q = qkv + r * row_stride;
         const float *cos = cos_table + r * rotary_dim, *sin = sin_table + r * rotary_dim;
