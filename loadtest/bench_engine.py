@@ -20,7 +20,11 @@ from typing import NamedTuple
 if __package__ in (None, ""):  # run as a file (`make bench`): make `loadtest.*` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch
+# As the `flotilla` command sets for its workers (before torch loads OpenMP): on shared cores spinning OpenMP
+# threads made engine steps several times slower. vLLM's child inherits the environment, so both see the same.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 from flotilla.engine.config import EngineConfig, resolve_device
 from flotilla.engine.engine import LLMEngine

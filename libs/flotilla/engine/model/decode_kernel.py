@@ -1,71 +1,35 @@
 """The CPU decode-attention kernel (csrc/paged_decode_attention.c): built with the system C compiler on
-first use, cached by source digest, called through ctypes. Where it cannot be built (no compiler) or does
-not apply (GPU, 16-bit K/V), `load()` returns None and attention uses the torch path."""
+first use, cached by source digest, called through ctypes (kernel_build.py). Where it cannot be built (no
+compiler, FLOTILLA_DISABLE_KERNELS) or does not apply (GPU, 16-bit K/V), attention uses the torch path."""
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from flotilla.engine.model.kernel_build import CSRC, KernelLibrary
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention.c"
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-shared", "-fPIC"]
-_lock = threading.Lock()
-_loaded: ctypes.CDLL | None = None
-_failed = False
+SOURCE = CSRC / "paged_decode_attention.c"
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("FLOTILLA_CACHE") or Path.home() / ".cache" / "flotilla"
-    return Path(root) / "kernels"
+def _declare(library: ctypes.CDLL) -> None:
+    library.paged_decode_attention_f32.restype = ctypes.c_int
+    library.paged_decode_attention_f32.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7 + [
+        ctypes.c_float,  # scale
+        ctypes.c_int64,  # window
+        ctypes.c_float,  # softcap
+        ctypes.c_int,
+    ]
 
 
-def _build(target: Path) -> None:
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True, capture_output=True)
-        os.replace(built, target)  # atomic: concurrent builders never load half a library
+_library = KernelLibrary(SOURCE.name, CFLAGS, _declare)
 
 
 def load() -> ctypes.CDLL | None:
     """The compiled kernel, or None when it cannot be had on this machine (logged once)."""
-    global _loaded, _failed
-    if _loaded is not None or _failed or os.environ.get("FLOTILLA_DISABLE_KERNELS"):
-        return _loaded
-    with _lock:
-        if _loaded is None and not _failed:
-            digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
-            target = _cache_dir() / f"paged_decode_attention-{digest}.so"
-            try:
-                if not target.exists():
-                    _build(target)
-                library = ctypes.CDLL(str(target))
-                library.paged_decode_attention_f32.restype = ctypes.c_int
-                library.paged_decode_attention_f32.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7 + [
-                    ctypes.c_float,  # scale
-                    ctypes.c_int64,  # window
-                    ctypes.c_float,  # softcap
-                    ctypes.c_int,
-                ]
-                _loaded = library
-            except (OSError, subprocess.CalledProcessError) as error:
-                log.warning("CPU decode kernel unavailable, using the torch path: %s", error)
-                _failed = True
-    return _loaded
+    return _library.load()
 
 
 def applies(kv_cache: torch.Tensor) -> bool:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flotilla.engine.model import fused_ops
 from flotilla.engine.model.attention import AttentionMetadata, paged_attention
 from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.model.moe import SparseMoE
@@ -51,14 +52,19 @@ class LlamaAttention(nn.Module):
         self, x: torch.Tensor, rotations: Sequence[torch.Tensor], meta: AttentionMetadata, kv_cache: torch.Tensor
     ) -> torch.Tensor:
         """rotations: the model's cos/sin of this step, one per RoPE table (RotaryEmbedding.cos_sin)."""
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        cos_sin = rotations[self.rope_index]
+        # On the CPU, q and k are rotated in place in one pass (fused_ops); q/k norms come before RoPE.
+        rotated = not self.qk_norm and fused_ops.rope_in_place(qkv, cos_sin, self.num_heads, self.num_kv_heads,
+                                                               self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos_sin = rotations[self.rope_index]
-        q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
+        if not rotated:
+            q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.window, self.softcap)
         return self.o_proj(out.view(-1, self.q_size))
 
@@ -69,8 +75,11 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act = _ACTIVATIONS[config.hidden_act]
+        self.is_silu = config.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_silu:  # one pass on the CPU (fused_ops), the torch ops elsewhere
+            return self.down_proj(fused_ops.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
@@ -85,8 +94,21 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, rotations, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotations, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, mlp_out = self.forward_residual(x, None, rotations, meta, kv_cache)
+        return x + mlp_out
+
+    def forward_residual(self, x, pending: torch.Tensor | None, rotations, meta: AttentionMetadata,
+                         kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer with its residual adds left to the next norm: its input is x + pending (pending: the last
+        layer's MLP output, or None) and it returns (its residual stream, its MLP output). On the CPU each add
+        runs inside the norm that follows it and writes into x (fused_ops.add_rms_norm)."""
+        if pending is None:
+            normed = self.input_layernorm(x)
+        else:
+            x, normed = self.input_layernorm.add_and_norm(x, pending)
+        attended = self.self_attn(normed, rotations, meta, kv_cache)
+        x, normed = self.post_attention_layernorm.add_and_norm(x, attended)
+        return x, self.mlp(normed)
 
 
 class LlamaModel(nn.Module):
@@ -135,11 +157,18 @@ class LlamaForCausalLM(nn.Module):
         meta = attn_metadata
         rotations = [rope.cos_sin(positions, meta.rope_lens, x.dtype, meta.max_rope_len)
                      for rope in self.model.rotary_embeddings()]  # once per step, for every layer
+        pending = None  # a Llama layer's MLP output, added to x in the next norm
         for index, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
-            x = layer(x, rotations, attn_metadata, kv_cache)
+            if isinstance(layer, LlamaDecoderLayer):
+                x, pending = layer.forward_residual(x, pending, rotations, attn_metadata, kv_cache)
+            else:
+                x = layer(x if pending is None else x + pending, rotations, attn_metadata, kv_cache)
+                pending = None
             if layer_callback is not None:
                 layer_callback(index)
-        return self.model.norm(x)
+        if pending is None:
+            return self.model.norm(x)
+        return self.model.norm.add_and_norm(x, pending)[1]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]; the matmul (and Gemma's soft-cap) in the model dtype, as in HF."""

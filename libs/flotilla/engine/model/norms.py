@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from flotilla.engine.model import fused_ops
+
 
 def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -17,8 +19,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        return self.weight * _normalize(x.to(torch.float32), self.eps).to(input_dtype)
+        return fused_ops.rms_norm(x, self.weight, self.eps)  # one pass on the CPU, the torch ops elsewhere
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, its norm); on the CPU the sum is written into x (fused_ops.add_rms_norm)."""
+        return fused_ops.add_rms_norm(x, delta, self.weight, self.eps)
 
 
 class GemmaRMSNorm(nn.Module):
