@@ -113,6 +113,10 @@ class RequestContextMiddleware:
                 message["headers"] = [*message.get("headers", []), (b"request-id", rid.encode()),
                                       (b"x-request-id", rid.encode()),
                                       *scope.get("flotilla.response_headers", ())]  # rate-limit state
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                # The stream's slot is free before its last bytes go out: a client that opens its next stream the
+                # moment this one ends must not find the slot still held (a 429 for a stream that has ended).
+                release_stream_slot(scope)
             await send(message)
 
         with http_request_span(scope, rid) as span:  # the root span of the request's trace
