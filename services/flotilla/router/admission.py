@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from flotilla.api.common.v1 import common_pb2 as pb
+from flotilla.rpc.convert import error_response
 from flotilla.router.context_pools import DEFAULT_POOL, LONG_CONTEXT_POOL, PoolRequest
 from flotilla.router.fair_queue import FairQueue
 from flotilla.router.model_routes import ModelRoutes
@@ -55,6 +56,12 @@ class RouterError(Exception):
         self.message = message
         self.field = field
         self.retry_after_s = retry_after_s
+
+    def as_response(self) -> pb.GenerateResponse:
+        """The Error event the caller gets for it (the relay's and the lease path's refusal alike)."""
+        refusal = error_response(self.code, self.message, self.field)
+        refusal.error.retry_after_s = self.retry_after_s
+        return refusal
 
 
 class Ticket(NamedTuple):

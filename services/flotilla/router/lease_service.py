@@ -59,9 +59,7 @@ class LeaseRpcs:
                                                       request.deadline_unix_s, Ticket.of(request), avoid=avoid)
         except RouterError as exc:
             telemetry.failed(exc.code)
-            refusal = error_response(exc.code, exc.message, exc.field)
-            refusal.error.retry_after_s = exc.retry_after_s
-            await context.write(refusal)
+            await context.write(exc.as_response())
             return
         telemetry.placed(placement)
         name = placement.resolution.name

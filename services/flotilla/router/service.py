@@ -102,9 +102,7 @@ class RouterService(LeaseRpcs, ModelLifecycleRpcs, router_pb2_grpc.RouterService
             )
         except RouterError as exc:
             telemetry.failed(exc.code)
-            refusal = error_response(exc.code, exc.message, exc.field)
-            refusal.error.retry_after_s = exc.retry_after_s
-            await context.write(refusal)
+            await context.write(exc.as_response())
             return
         telemetry.placed(placement)
         try:
