@@ -74,13 +74,18 @@ class Routers:
 
     async def start(self, count: int) -> list[str]:
         for i in range(count):
-            fake = ScriptedRouter(f"r{i}")
-            server = grpc.aio.server()
-            router_pb2_grpc.add_RouterServiceServicer_to_server(fake, server)
-            address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-            await server.start()
-            self.fakes[address], self.servers[address] = fake, server
+            await self.start_one(f"r{i}", "127.0.0.1:0")
         return list(self.fakes)
+
+    async def start_one(self, name: str, address: str) -> str:
+        """A router at `address` (port 0: a free one), in place of any stopped there before."""
+        fake = ScriptedRouter(name)
+        server = grpc.aio.server()
+        router_pb2_grpc.add_RouterServiceServicer_to_server(fake, server)
+        address = f"127.0.0.1:{server.add_insecure_port(address)}"
+        await server.start()
+        self.fakes[address], self.servers[address] = fake, server
+        return address
 
     def kill(self, address: str) -> None:
         asyncio.get_running_loop().create_task(self.servers[address].stop(0))
@@ -93,7 +98,7 @@ class Routers:
 async def routers():
     routers = Routers()
     addresses = await routers.start(2)
-    pool = RouterPool(addresses, probe_interval_s=0.05)
+    pool = RouterPool(addresses, probe_interval_s=0.05, reconnect_grace_s=0.5)
     yield routers, pool, owner_order(addresses, MODEL)
     await pool.close()
     await routers.stop()
@@ -170,6 +175,28 @@ async def test_when_every_router_is_gone_the_call_error_is_raised(routers):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await read_all(pool.generate(request()))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_a_request_arriving_while_the_only_router_restarts_waits_for_it_instead_of_failing():
+    """A router killed and brought back at its address (the launcher's or Kubernetes' restart): a request that
+    arrives before the gateway's channel has dialled it again is placed once it has, not refused with 503."""
+    routers = Routers()
+    (address,) = await routers.start(1)
+    pool = RouterPool([address], reconnect_grace_s=10.0)
+    try:
+        await read_all(pool.generate(request(max_tokens=2)))  # connected
+        routers.kill(address)
+        await routers.servers[address].wait_for_termination()
+        reading = asyncio.ensure_future(read_all(pool.generate(request(max_tokens=3, request_id="r2"))))
+        await asyncio.sleep(0.3)  # it failed on the dead router and waits for one to come back
+        assert not reading.done()
+        await routers.start_one("r0-again", address)
+        tokens, finished = await reading
+        assert tokens == [FIRST_TOKEN + i for i in range(3)]
+        assert routers.fakes[address].name == "r0-again" and routers.fakes[address].requests[0].request_id == "r2"
+    finally:
+        await pool.close()
+        await routers.stop()
 
 
 async def test_fixed_batch_calls_fail_over_and_the_model_lists_merge(routers):

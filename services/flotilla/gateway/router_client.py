@@ -5,6 +5,7 @@ StreamEvents (rpc/convert.py)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
@@ -125,6 +126,14 @@ class RouterClient:
         if received != digest:
             raise ValueError(f"asked for model assets {digest}, got {received}")
         return files
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        """True once the channel is connected, False if it is not within `timeout_s` (the router is still down)."""
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     async def close(self) -> None:
         self._session.close()

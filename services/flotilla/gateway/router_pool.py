@@ -35,8 +35,13 @@ log = logging.getLogger(__name__)
 
 PROBE_INTERVAL_S = 0.5
 PROBE_TIMEOUT_S = 1.0
-# A call that failed with these lost its router (killed, restarting, shut down under the call).
-LOST_ROUTER_STATUSES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+# A call that failed with these lost its router (killed, restarting, shut down under the call). INTERNAL is what
+# gRPC core gives a session call whose write met the dead connection ("Failed execute_batch").
+LOST_ROUTER_STATUSES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL})
+# When every router failed a call, how long to wait for one to take connections again before the client gets 503:
+# a router brought back at its address is dialled again within rpc/options.py's 2 s reconnect backoff, so a short
+# restart costs the requests that arrive meanwhile a few seconds of latency, not an error.
+RECONNECT_GRACE_S = 3.0
 
 
 @dataclass(eq=False)
@@ -48,7 +53,8 @@ class _Router:
 
 class RouterPool:
     def __init__(self, addresses: Sequence[str], list_timeout_s: float = 5.0, tls: InternalTLS | None = None,
-                 probe_interval_s: float = PROBE_INTERVAL_S, stream_path: str = "auto"):
+                 probe_interval_s: float = PROBE_INTERVAL_S, stream_path: str = "auto",
+                 reconnect_grace_s: float = RECONNECT_GRACE_S):
         if not addresses:
             raise ValueError("the gateway needs at least one router address")
         self._routers = [_Router(RouterClient(address, list_timeout_s, tls, stream_path)) for address in addresses]
@@ -56,6 +62,7 @@ class RouterPool:
         self._by_client = {router.client: router for router in self._routers}
         self._aliases: dict[str, str] = {}  # alias -> model name, from the last model lists
         self._probe_interval_s = probe_interval_s
+        self._reconnect_grace_s = reconnect_grace_s
         self._prober: asyncio.Task | None = None
 
     # ---- the seam: which router serves a model -------------------------------------------------------
@@ -86,6 +93,21 @@ class RouterPool:
             log.warning("router %s unreachable; failing over", client.address)
         router.down = True
 
+    async def wait_reconnected(self, model: str) -> bool:
+        """Every router failed: True once one of them (the model's owner first) is connected again, False if none
+        is within the reconnect grace, or at once when none is marked unreachable (waiting would change nothing)."""
+        if not any(router.down for router in self._routers):
+            return False
+        waits = [asyncio.ensure_future(client.wait_ready(self._reconnect_grace_s)) for client in self.routers_for(model)]
+        try:
+            for done in asyncio.as_completed(waits):
+                if await done:
+                    return True
+            return False
+        finally:
+            for wait in waits:
+                wait.cancel()
+
     def on_call_error(self, client: RouterClient, err: grpc.RpcError) -> bool:
         """True when `err` means the router, not the request, failed (then it is marked unreachable)."""
         code = err.code() if hasattr(err, "code") else None
@@ -108,13 +130,16 @@ class RouterPool:
 
     async def batch_generate(self, call: router_pb2.BatchCall) -> router_pb2.BatchResult:
         last_error: grpc.RpcError | None = None
-        for client in self.routers_for(call.model):
-            try:
-                return await client.batch_generate(call)
-            except grpc.RpcError as err:
-                if not self.on_call_error(client, err):
-                    raise
-                last_error = err
+        for waited in (False, True):
+            if waited and not await self.wait_reconnected(call.model):
+                break
+            for client in self.routers_for(call.model):
+                try:
+                    return await client.batch_generate(call)
+                except grpc.RpcError as err:
+                    if not self.on_call_error(client, err):
+                        raise
+                    last_error = err
         raise last_error
 
     async def queue_load(self, models: Sequence[str]) -> router_pb2.GetQueueLoadResponse:
@@ -224,14 +249,17 @@ class FailoverAcquire:
         if self._call is not None:
             return await self._call.__anext__()
         last_error: grpc.aio.AioRpcError | None = None
-        for client in self._pool.routers_for(self._request.model):
-            self._call = client.acquire(self._request, self._metadata)
-            try:
-                return await self._call.__anext__()
-            except grpc.aio.AioRpcError as err:
-                if not self._pool.on_call_error(client, err):
-                    raise
-                last_error = err
+        for waited in (False, True):
+            if waited and not await self._pool.wait_reconnected(self._request.model):
+                break
+            for client in self._pool.routers_for(self._request.model):
+                self._call = client.acquire(self._request, self._metadata)
+                try:
+                    return await self._call.__anext__()
+                except grpc.aio.AioRpcError as err:
+                    if not self._pool.on_call_error(client, err):
+                        raise
+                    last_error = err
         assert last_error is not None
         raise last_error
 

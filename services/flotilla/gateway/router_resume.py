@@ -40,6 +40,7 @@ class ResumingStream:
         self._lost_on: list[RouterClient] = []
         self._router: RouterClient | None = None
         self._stream: RouterStream | None = None
+        self._last_error: grpc.RpcError | None = None
         self._closed = False
 
     def __aiter__(self) -> ResumingStream:
@@ -50,6 +51,8 @@ class ResumingStream:
             if self._closed:
                 raise StopAsyncIteration
             if self._stream is None:
+                if self._lost_on and not await self._another_router_or_one_back():
+                    raise self._last_error
                 self._open()
             try:
                 event = await self._stream.__anext__()
@@ -75,6 +78,13 @@ class ResumingStream:
         self._router = router
         self._stream = router.generate(self._attempt(), self._metadata)
 
+    async def _another_router_or_one_back(self) -> bool:
+        """True when a router it was not lost on is there, or one it was lost on takes connections again."""
+        candidates = self._pool.routers_for(self._request.model)
+        if any(c not in self._lost_on for c in candidates):
+            return True
+        return await self._pool.wait_reconnected(self._request.model)
+
     def _attempt(self) -> common.GenerateRequest:
         if not self._delivered:
             return self._request
@@ -87,7 +97,7 @@ class ResumingStream:
 
     def _lost_router(self, err: grpc.RpcError) -> bool:
         """True when the request goes on elsewhere (the router, not the request, failed, and attempts remain)."""
-        router, self._stream = self._router, None
+        router, self._stream, self._last_error = self._router, None, err
         if not self._pool.on_call_error(router, err):
             return False
         self._lost_on.append(router)
