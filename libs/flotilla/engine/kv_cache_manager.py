@@ -188,13 +188,21 @@ class KVCacheManager:
             raise ValueError(f"token counts must be >= 0, got {num_new_tokens}, {num_lookahead_tokens}")
         if request.request_id in self._host_tables:
             raise ValueError(f"request {request.request_id} is swapped out; swap_in first")
-        start = self._plan(request, computed, 0).start
-        end = start + num_new_tokens
+        table = self._tables.get(request.request_id)
+        start = request.num_computed_tokens if table is not None and computed is None else None
+        end = (start if start is not None else self._plan(request, computed, 0).start) + num_new_tokens
         if end > request.num_tokens:
             raise ValueError(
                 f"request {request.request_id}: cannot compute up to token {end}, "
                 f"only {request.num_tokens} are known"
             )
+        if start is not None and self._extends_in_place(table, start, end + num_lookahead_tokens):
+            # A running request's next tokens fit its private tail block: every decode step of almost every
+            # sequence, where the general plan below costs a copy-on-write check and two plans.
+            if publish:
+                self._cache_full_blocks(request, table, start, end)
+            return []
+        start = start if start is not None else end - num_new_tokens
         plan = self._plan(request, computed, end + num_lookahead_tokens)
         if plan.num_blocks_taken > self.pool.num_free_blocks:
             return None
@@ -351,6 +359,15 @@ class KVCacheManager:
             copy_index = first_index
         hit_block_ids = held if table is None else []
         return _Plan(hit_block_ids, start, num_new_blocks, copy_index, num_revived)
+
+    def _extends_in_place(self, table: list[int], start: int, num_tokens_total: int) -> bool:
+        """The tokens [start, num_tokens_total) go into blocks the table holds, none of them shared or published
+        (no new block, no copy-on-write)."""
+        block_size = self.block_size
+        if _cdiv(num_tokens_total, block_size) > len(table) or num_tokens_total <= start:
+            return False
+        return not any(self._is_immutable(table[index])
+                       for index in range(start // block_size, _cdiv(num_tokens_total, block_size)))
 
     def _check_computed(self, request: Request, computed: ComputedBlocks) -> None:
         """A stale hit (blocks evicted since the lookup) would silently serve wrong K/V: refuse it."""

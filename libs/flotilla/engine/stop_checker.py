@@ -22,7 +22,8 @@ class StopChecker:
         self._request = request
         self._max_model_len = max_model_len
         self._stops = request.sampling_params.stop
-        self._text = ""  # all text decoded so far (cut at a matched stop string)
+        self._text = ""  # all text decoded so far (cut at a matched stop string); kept only with stop strings
+        self._unreleased = ""  # without stop strings: this token's text, released at once
         self._num_released = 0
         self._prefixes = [_PrefixTracker(stop) for stop in self._stops]
 
@@ -30,11 +31,14 @@ class StopChecker:
         """Call once per generated token with the detokenizer's new text for it; `grammar_complete`: the
         request's structured output can take no more tokens (it ends here, without waiting for an EOS)."""
         params = self._request.sampling_params
-        search_from = max(0, len(self._text) - max((len(s) for s in self._stops), default=0) + 1)
-        self._append(new_text)
-        matched = self._find_stop_string(search_from)
-        if matched is not None:
-            return self._finish(FinishReason.STOP, matched)
+        if self._stops:
+            search_from = max(0, len(self._text) - max(len(s) for s in self._stops) + 1)
+            self._append(new_text)
+            matched = self._find_stop_string(search_from)
+            if matched is not None:
+                return self._finish(FinishReason.STOP, matched)
+        else:
+            self._unreleased += new_text
         if token_id in params.stop_token_ids:
             return self._finish(FinishReason.STOP, token_id)
         if not params.ignore_eos and token_id in self._request.eos_token_ids:
@@ -43,18 +47,22 @@ class StopChecker:
             return self._finish(FinishReason.STOP, None)
         if self._request.num_output_tokens >= params.max_tokens or self._request.num_tokens >= self._max_model_len:
             return self._finish(FinishReason.LENGTH, None)
-        return StopDecision(None, None, self._release(len(self._text) - self._held_back_length()))
+        return StopDecision(None, None, self._releasable(final=False))
 
     def replay(self, old_text: str) -> None:
         """A resumed stream: take the text of a token generated (and released) before, on another worker.
         Releasing is deterministic in the text, so the held-back tail is the one that worker held."""
-        self._append(old_text)
-        self._release(len(self._text) - self._held_back_length())
+        if self._stops:  # without stop strings nothing is held back: that text is all released already
+            self._append(old_text)
+            self._release(len(self._text) - self._held_back_length())
 
     def finish_with(self, final_text: str) -> str:
         """The request ended elsewhere (abort): release what was held, plus the detokenizer's tail."""
-        self._text += final_text
-        return self._release(len(self._text))
+        if self._stops:
+            self._text += final_text
+        else:
+            self._unreleased += final_text
+        return self._releasable(final=True)
 
     def _find_stop_string(self, search_from: int) -> str | None:
         best: tuple[int, str] | None = None
@@ -68,7 +76,14 @@ class StopChecker:
         return best[1]
 
     def _finish(self, reason: FinishReason, stop_reason: str | int | None) -> StopDecision:
-        return StopDecision(reason, stop_reason, self._release(len(self._text)))
+        return StopDecision(reason, stop_reason, self._releasable(final=True))
+
+    def _releasable(self, final: bool) -> str:
+        """The text the client may have now: everything but a tail that could still become a stop string."""
+        if not self._stops:
+            text, self._unreleased = self._unreleased, ""
+            return text
+        return self._release(len(self._text) if final else len(self._text) - self._held_back_length())
 
     def _append(self, text: str) -> None:
         self._text += text
