@@ -96,6 +96,7 @@ LONG_CONTEXT_KEYS = {
     "maxNumBatchedTokens": {"type": "integer", "minimum": 1},
     "kvCacheMemoryBytes": {"type": "integer", "minimum": 0, "description": "0: the device default"},
     "maxModelLen": {"type": "integer", "minimum": 0, "description": "0: the checkpoint's context window"},
+    "autoscaling": {k: v for k, v in AUTOSCALING.items() if k != "required"},  # the pool's own signals
 }
 LONG_CONTEXT = {"type": "object", "additionalProperties": False, "properties": LONG_CONTEXT_KEYS,
                 "required": ["enabled", "replicas", "thresholdTokens", "maxNumBatchedTokens", "image"]}

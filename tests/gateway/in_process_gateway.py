@@ -1,6 +1,8 @@
 """The gateway in this process: the real app on real uvicorn, in front of a fake router (real grpc.aio), on free
 loopback ports, in one background thread with one event loop, so that the tests themselves are plain
-synchronous functions using the real SDKs. (The gateway as a process, with a real router: tests/support/fleet.py.)"""
+synchronous functions using the real SDKs. (The gateway as a process, with a real router: tests/support/fleet.py.)
+With `redis_url` quotas and batch jobs are in that Redis, as `flotilla gateway --redis-url` keeps them (keys stay in
+the keys file)."""
 
 from __future__ import annotations
 
@@ -15,11 +17,16 @@ import uvicorn
 
 from flotilla.api.router.v1 import router_pb2_grpc
 from flotilla.gateway.app import create_app
+from flotilla.gateway.batch_jobs.redis_store import RedisBatchStore
 from flotilla.tenancy.keys import KeyEntry, KeyStore, generate_key, hash_key, write_keys_file
 from flotilla.gateway.metrics import GatewayMetrics
 from flotilla.gateway.router_pool import RouterPool
 from flotilla.gateway.server import uvicorn_config
 from flotilla.gateway.settings import GatewaySettings
+from flotilla.tenancy.gatekeeper import Gatekeeper
+from flotilla.tenancy.records import Limits
+from flotilla.tenancy.redis_conn import connect
+from flotilla.tenancy.redis_quota import RedisQuotaStore
 from flotilla.usage.ledger import UsageLedger
 from flotilla.observability.exposition import serve_metrics
 
@@ -38,11 +45,14 @@ class InProcessGateway:
         self.fake = FakeRouter(str(checkpoint_path))
         self.ledger_sink = ledger_sink  # a usage_sinks.UsageSink: the app gets a UsageLedger writing to it
         self.paid_key, self.free_key, self.batch_key = generate_key(), generate_key(), generate_key()
+        self.metered_key = generate_key()  # the one key with a token quota (tenant "metered")
         self.keys_file = keys_dir / "keys.json"
         write_keys_file(self.keys_file, [KeyEntry("k-paid", hash_key(self.paid_key), "acme", "paid"),
                                          KeyEntry("k-free", hash_key(self.free_key), "hobbyist", "free"),
                                          KeyEntry("k-batch", hash_key(self.batch_key), "acme", "paid",
-                                                  priority_class="batch")])
+                                                  priority_class="batch"),
+                                         KeyEntry("k-metered", hash_key(self.metered_key), "metered", "paid",
+                                                  limits=Limits(tokens_per_minute=1_000_000))])
         self.settings = GatewaySettings(keys_file=self.keys_file, max_body_bytes=MAX_BODY_BYTES,
                                         model_refresh_s=3600.0, min_refresh_gap_s=0.0, retry_after_s=7,
                                         **settings)
@@ -91,8 +101,13 @@ class InProcessGateway:
         self.settings = replace(self.settings, router_addresses=(f"127.0.0.1:{router_port}",))
         client = RouterPool(self.settings.router_addresses)
         ledger = self.ledger = UsageLedger(self.ledger_sink).start() if self.ledger_sink is not None else None
-        app = create_app(self.settings, client, KeyStore.from_file(self.keys_file), metrics=self.metrics,
-                         ledger=ledger)
+        keys, gatekeeper, batch_store = KeyStore.from_file(self.keys_file), None, None
+        if self.settings.redis_url:
+            redis = connect(self.settings.redis_url)
+            gatekeeper = self.gatekeeper = Gatekeeper(keys.as_async(), RedisQuotaStore(redis), redis)
+            batch_store = RedisBatchStore(redis)
+        app = create_app(self.settings, client, keys, metrics=self.metrics, ledger=ledger, gatekeeper=gatekeeper,
+                         batch_store=batch_store)
         self.app = app
         config = uvicorn_config(app, self.settings, log_level="warning", timeout_graceful_shutdown=1)
         self._server = uvicorn.Server(config)
@@ -101,5 +116,7 @@ class InProcessGateway:
         finally:
             if ledger is not None:
                 await ledger.close()
+            if gatekeeper is not None:
+                await gatekeeper.close()  # and its Redis client, the batch store's too
             await client.close()
             await grpc_server.stop(0)

@@ -12,6 +12,7 @@ from flotilla.gateway.batch_jobs.records import (CANCELED, COMPLETED, IN_PROGRES
                                                  ItemResult, JobOwner, StoredFile)
 from flotilla.gateway.batch_jobs.redis_store import RedisBatchStore
 from flotilla.gateway.batch_jobs.sqlite_store import SQLiteBatchStore
+from flotilla.gateway.batch_jobs.store import UnknownCursor
 
 
 @pytest.fixture(params=["sqlite", "redis"])
@@ -48,6 +49,54 @@ async def test_jobs_files_and_items_survive_reopening(open_store):
     assert "batch_0" not in await store.active_job_ids() and (await store.get_job("batch_0")).status == COMPLETED
     assert await store.delete_file("file-1") and not await store.delete_file("file-1")
     assert await store.get_file("file-1") is None and await store.get_job("batch_nope") is None
+    await store.close()
+
+
+async def test_files_are_listed_per_tenant_by_created_at_with_a_cursor(open_store):
+    store = open_store()
+    # Two files share a created_at: the id breaks the tie, the same way in both backends.
+    for file_id, created_at, purpose in (("file-a", 3.0, "batch"), ("file-b", 1.0, "batch_output"),
+                                         ("file-c", 2.0, "batch"), ("file-d", 2.0, "batch")):
+        await store.put_file(StoredFile(file_id, "acme", "f.jsonl", purpose, 1, created_at), b"x")
+    await store.put_file(StoredFile("file-z", "globex", "f.jsonl", "batch", 1, 5.0), b"x")
+    await store.close()
+
+    store = open_store()
+
+    async def ids(purpose=None, descending=True, after=None, limit=10):
+        files, more = await store.list_files("acme", purpose, descending, after, limit)
+        return [f.id for f in files], more
+
+    assert await ids() == (["file-a", "file-d", "file-c", "file-b"], False)
+    assert await ids(descending=False) == (["file-b", "file-c", "file-d", "file-a"], False)
+    assert await ids(limit=2) == (["file-a", "file-d"], True)
+    assert await ids(after="file-d", limit=2) == (["file-c", "file-b"], False)
+    assert await ids(descending=False, after="file-c", limit=1) == (["file-d"], True)
+    assert await ids(purpose="batch") == (["file-a", "file-d", "file-c"], False)
+    assert await ids(purpose="batch_output") == (["file-b"], False)
+    assert await ids(purpose="fine-tune") == ([], False)
+    for cursor, purpose in (("file-z", None), ("file-nope", None), ("file-b", "batch")):  # not in that listing
+        with pytest.raises(UnknownCursor):
+            await store.list_files("acme", purpose, True, cursor, 10)
+    assert await store.delete_file("file-d")
+    assert await ids() == (["file-a", "file-c", "file-b"], False)
+    assert await ids(purpose="batch") == (["file-a", "file-c"], False)
+    await store.close()
+
+
+async def test_a_state_file_from_before_listing_lists_its_files(tmp_path):
+    """`flotilla up`'s batches.db written by a gateway without the listing's columns (the old files table)."""
+    import sqlite3
+
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as old:
+        old.execute("CREATE TABLE files (id TEXT PRIMARY KEY, meta TEXT NOT NULL, content BLOB NOT NULL)")
+        old.execute("INSERT INTO files VALUES (?, ?, ?)",
+                    ("file-old", StoredFile("file-old", "acme", "in.jsonl", "batch", 1, 7.0).to_json(), b"x"))
+    store = SQLiteBatchStore(path)
+    await store.put_file(StoredFile("file-new", "acme", "in.jsonl", "batch", 1, 8.0), b"y")
+    files, _ = await store.list_files("acme", "batch", True, None, 10)
+    assert [f.id for f in files] == ["file-new", "file-old"]
     await store.close()
 
 

@@ -140,6 +140,8 @@ def test_batch_job_bodies_match_their_documented_schemas(gateway, document):
     ids = {"file_id": file["id"]}
     assert call("GET", "/v1/files/{file_id}/content", ids).text == line
     call("GET", "/v1/files/{file_id}", ids)
+    assert file["id"] in [f["id"] for f in call("GET", "/v1/files", {}, params={"purpose": "batch"}).json()["data"]]
+    assert call("GET", "/v1/files", {}, params={"order": "up"}).status_code == 400
     batch = call("POST", "/v1/batches", {}, json={"input_file_id": file["id"], "endpoint": "/v1/chat/completions",
                                                   "completion_window": "24h"}).json()
     ids["batch_id"] = batch["id"]

@@ -37,8 +37,8 @@ class FakeWorkers:
         self._thread = threading.Thread(target=self._beat, daemon=True)
         self._thread.start()
 
-    def add(self, worker_id: str, queued_tokens: int = 0) -> None:
-        info = rpb.WorkerInfo(worker_id=worker_id, address="127.0.0.1:9", role=pb.WORKER_ROLE_DECODE,
+    def add(self, worker_id: str, queued_tokens: int = 0, role: int = pb.WORKER_ROLE_DECODE, pool: str = "") -> None:
+        info = rpb.WorkerInfo(worker_id=worker_id, address="127.0.0.1:9", role=role, pool=pool,
                               model=pb.ModelInfo(name=MODEL, version="v1", max_model_len=2048))
         self.stub.RegisterWorker(rpb.RegisterWorkerRequest(worker=info), timeout=5)
         self.set_load(worker_id, queued_tokens)

@@ -37,7 +37,7 @@ class StandInRouter:
     def workers(self, model: str) -> list[rpb.WorkerStatus]:
         return self._workers
 
-    def signals(self, model: str, window_s: float, role: int):
+    def signals(self, model: str, window_s: float, role: int, pool: str = ""):
         by_state = [w.state for w in self._workers]
         return to_pool_signals(rpb.GetPoolSignalsResponse(
             num_active=by_state.count(rpb.WORKER_STATE_ACTIVE), num_warm=by_state.count(rpb.WORKER_STATE_WARM),

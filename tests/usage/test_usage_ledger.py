@@ -17,9 +17,9 @@ from flotilla.usage.sinks import FileSink, RedisStreamSink
 
 
 def _record(request_id: str, tenant: str, output: int, finished_at: float, status: str = "ok",
-            batch_item: tuple[str, int] = ("", -1)) -> UsageRecord:
+            batch_item: tuple[str, int] = ("", -1), price_factor: float = 1.0) -> UsageRecord:
     return UsageRecord(request_id, tenant, "k1", "m@v1", "v1", 10, 4, output, status, "", 1, finished_at - 1,
-                       finished_at, *batch_item)
+                       finished_at, *batch_item, price_factor)
 
 
 class _FlakySink:
@@ -68,10 +68,11 @@ def test_flotilla_usage_sums_per_tenant_and_time_range(tmp_path):
                _record("a", "t1", 5, 1000.0),  # a write retried after a lost reply: counted once
                _record("d", "t1", 2, 3000.0, status="cancelled"),
                # Batch item 0 refused once, then served: one request, billed once; item 1 re-run after a restart.
-               _record("e", "t1", 0, 1500.0, status="error", batch_item=("batch_1", 0)),
-               _record("f", "t1", 3, 1600.0, batch_item=("batch_1", 0)),
-               _record("g", "t1", 4, 1700.0, batch_item=("batch_1", 1)),
-               _record("h", "t1", 4, 1800.0, batch_item=("batch_1", 1))]
+               # At the batch rate: billable (10 + 3) * 0.5 -> 7 and (10 + 4) * 0.5 = 7.
+               _record("e", "t1", 0, 1500.0, status="error", batch_item=("batch_1", 0), price_factor=0.5),
+               _record("f", "t1", 3, 1600.0, batch_item=("batch_1", 0), price_factor=0.5),
+               _record("g", "t1", 4, 1700.0, batch_item=("batch_1", 1), price_factor=0.5),
+               _record("h", "t1", 4, 1800.0, batch_item=("batch_1", 1), price_factor=0.5)]
     asyncio.run(FileSink(path).append(records))
     with open(path, "a") as torn:
         torn.write('{"request_id": "torn')  # a writer killed mid-line
@@ -80,13 +81,15 @@ def test_flotilla_usage_sums_per_tenant_and_time_range(tmp_path):
     totals = {(t["tenant"], t["traffic_class"]): t for t in map(json.loads, out.splitlines())}
     assert totals["t1", "interactive"] == {"tenant": "t1", "traffic_class": "interactive", "num_requests": 2,
                                            "num_ok": 2, "input_tokens": 20, "cached_input_tokens": 8,
-                                           "output_tokens": 12}
+                                           "output_tokens": 12, "billable_tokens": 32}
     assert totals["t1", "batch"]["num_requests"] == 2 and totals["t1", "batch"]["output_tokens"] == 7
+    assert totals["t1", "batch"]["billable_tokens"] == 14
     assert totals["t2", "interactive"]["output_tokens"] == 1
     table = subprocess.run([sys.executable, "-m", "flotilla.cli", "usage", "--file", str(path), "--tenant", "t1"],
                            capture_output=True, text=True, check=True).stdout
-    assert table.splitlines()[1].split() == ["t1", "batch", "2", "2", "20", "8", "7"]
-    assert table.splitlines()[2].split() == ["t1", "interactive", "3", "2", "30", "12", "14"]
+    assert table.splitlines()[0].split()[-1] == "billable"
+    assert table.splitlines()[1].split() == ["t1", "batch", "2", "2", "20", "8", "7", "14"]
+    assert table.splitlines()[2].split() == ["t1", "interactive", "3", "2", "30", "12", "14", "44"]
 
 
 def test_checkpoints_bill_a_request_once_and_a_final_record_supersedes_them():

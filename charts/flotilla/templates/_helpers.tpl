@@ -114,7 +114,8 @@ name made a DNS label. Each pool carries its workers' extra flags as `args`. */}
 {{- if $long.enabled }}
 {{- $name := printf "%s-%s-long" (include "flotilla.name" $) $slug }}
 {{- if gt (len $name) 55 }}{{ fail (printf "pool name %q is longer than 55 characters: shorten the release name or give model %q a shorter `pool` key" $name $model.name) }}{{ end }}
-{{- $args := list "--pool" "long-context" "--max-num-batched-tokens" (toString (int $long.maxNumBatchedTokens)) }}
+{{- /* its FlotillaPool's `pool: long-context` gives its workers --pool long-context (the operator adds it) */}}
+{{- $args := list "--max-num-batched-tokens" (toString (int $long.maxNumBatchedTokens)) }}
 {{- if $long.kvCacheMemoryBytes }}{{ $args = concat $args (list "--kv-cache-memory-bytes" (toString (int64 $long.kvCacheMemoryBytes))) }}{{ end }}
 {{- if $long.maxModelLen }}{{ $args = concat $args (list "--max-model-len" (toString (int $long.maxModelLen))) }}{{ end }}
 {{- $pools = append $pools (dict "name" $name "slug" $slug "role" "long-context" "disaggregated" false

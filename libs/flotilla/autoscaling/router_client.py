@@ -54,8 +54,10 @@ class RouterClient:
         self._channels = {a: sync_channel(a, tls, "router") for a in self._addresses}
         self._stubs = {a: router_pb2_grpc.RouterServiceStub(channel) for a, channel in self._channels.items()}
 
-    def signals(self, model: str, window_s: float, role: int = pb.WORKER_ROLE_UNSPECIFIED) -> PoolSignals:
-        request = rpb.GetPoolSignalsRequest(model=model, role=role, window_s=window_s)
+    def signals(self, model: str, window_s: float, role: int = pb.WORKER_ROLE_UNSPECIFIED,
+                pool: str = "") -> PoolSignals:
+        """`pool`: "" every pool of the model; "default" or "long-context" that pool's workers and queue lane."""
+        request = rpb.GetPoolSignalsRequest(model=model, role=role, window_s=window_s, pool=pool)
         return to_pool_signals(self._first_answer(owner_order(self._addresses, model),
                                                   lambda stub: stub.GetPoolSignals(request, timeout=CALL_TIMEOUT_S)))
 

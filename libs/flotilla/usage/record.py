@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import MISSING, asdict, dataclass, fields
 
+from flotilla.usage.pricing import charged_tokens
+
 STATUS_OK = "ok"  # finished (stop or length)
 STATUS_ERROR = "error"  # ended with an error (see error_code)
 STATUS_CANCELLED = "cancelled"  # the caller went away before the end
@@ -34,10 +36,16 @@ class UsageRecord:
     finished_at: float
     batch_id: str = ""  # the batch job this request was an item of; "" for interactive traffic
     batch_item: int = -1  # its index in that job
+    price_factor: float = 1.0  # what its tokens are charged, as a fraction: a batch item's batch rate
 
     @property
     def traffic_class(self) -> str:
         return "batch" if self.batch_id else "interactive"
+
+    @property
+    def billable_tokens(self) -> int:
+        """Input (cached too) + output tokens at its price factor: what its tenant's token quota was charged."""
+        return charged_tokens(self.input_tokens + self.output_tokens, self.price_factor)
 
     def to_fields(self) -> dict[str, str]:
         return {name: str(value) for name, value in asdict(self).items()}

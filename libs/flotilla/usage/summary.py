@@ -17,6 +17,7 @@ class TenantUsage:
     input_tokens: int = 0
     cached_input_tokens: int = 0
     output_tokens: int = 0
+    billable_tokens: int = 0  # input + output at each record's price factor (the batch rate for batch items)
 
     def add(self, record: UsageRecord) -> None:
         self.num_requests += 1
@@ -24,6 +25,7 @@ class TenantUsage:
         self.input_tokens += record.input_tokens
         self.cached_input_tokens += record.cached_input_tokens
         self.output_tokens += record.output_tokens
+        self.billable_tokens += record.billable_tokens
 
 
 def unique(records: Iterable[UsageRecord]) -> list[UsageRecord]:

@@ -85,7 +85,7 @@ def _container(spec: PoolSpec, router_address: str, tls_secret: str, lease_secre
         "worker", "--host", "0.0.0.0", "--port", str(port), "--advertise-host", "$(POD_IP)",
         "--worker-id", "$(POD_NAME)", "--router", router_address,
         "--model-dir", spec.model.checkpoint, "--model-name", spec.model.name, "--role", spec.role,
-        "--metrics-port", str(METRICS_PORT), *([] if tls_secret else ["--insecure-internal"]),
+        *(["--pool", spec.pool] if spec.pool else []), "--metrics-port", str(METRICS_PORT), *([] if tls_secret else ["--insecure-internal"]),
         *(["--lease-secret-file", f"{LEASE_DIR}/secret"] if lease_secret else []), *spec.worker.args,
     ]  # fmt: skip
     env = [

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flotilla.api.common.v1 import common_pb2 as pb
+from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.autoscaling.policy import PoolPolicy, RoleThroughput
 
 GROUP = "flotilla.dev"
@@ -13,6 +14,8 @@ VERSION = "v1alpha1"
 PLURAL = "flotillapools"
 KIND = "FlotillaPool"
 ROLES = {"both": pb.WORKER_ROLE_BOTH, "prefill": pb.WORKER_ROLE_PREFILL, "decode": pb.WORKER_ROLE_DECODE}
+# The router's pool labels (router/context_pools.py): "" is every pool of the model and role, as before pools.
+POOLS = ("", "default", "long-context")
 
 
 class InvalidPoolSpec(ValueError):
@@ -48,6 +51,15 @@ class PoolSpec:
     signals_window_s: float
     # Per-replica tokens/s of each role (loadtest figures): weigh the token mix into the prefill:decode ratio.
     throughput: RoleThroughput = RoleThroughput(1.0, 1.0)
+    # Its workers' pool label (`flotilla worker --pool`): the pool is scaled on that pool's own signals (its
+    # workers, its queue lane) and steers only its workers. "": every worker of the model and role.
+    pool: str = ""
+
+    def owns(self, worker: rpb.WorkerInfo) -> bool:
+        """Whether a registered worker is one of this pool's (same role and, when the spec names one, pool)."""
+        if worker.role != ROLES[self.role]:
+            return False
+        return not self.pool or (worker.pool or "default") == self.pool
 
 
 def parse_spec(spec: dict[str, Any]) -> PoolSpec:
@@ -60,6 +72,9 @@ def parse_spec(spec: dict[str, Any]) -> PoolSpec:
         role = spec.get("role", "both")
         if role not in ROLES:
             raise InvalidPoolSpec(f"role must be one of {sorted(ROLES)}, not {role!r}")
+        pool = spec.get("pool", "")
+        if pool not in POOLS:
+            raise InvalidPoolSpec(f"pool must be one of {POOLS[1:]} (or unset), not {pool!r}")
         policy = PoolPolicy(
             min_replicas=int(replicas.get("min", 1)),
             max_replicas=int(replicas.get("max", 4)),
@@ -91,6 +106,7 @@ def parse_spec(spec: dict[str, Any]) -> PoolSpec:
             signals_window_s=float(scaling.get("signalsWindowSeconds", 60)),
             throughput=RoleThroughput(float(scaling.get("prefillTokensPerSecond", 1.0)),
                                       float(scaling.get("decodeTokensPerSecond", 1.0))),
+            pool=pool,
         )
     except (KeyError, TypeError, ValueError) as error:
         if isinstance(error, InvalidPoolSpec):

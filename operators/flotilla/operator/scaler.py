@@ -70,7 +70,7 @@ def rescale(spec: PoolSpec, status: dict[str, Any], router: RouterClient, curren
     """now_s: wall-clock seconds (the state lives in the status, across operator restarts).
     num_decode: a prefill pool's decode replicas of the same model (None: no decode pool, no ratio floor)."""
     role = ROLES[spec.role]
-    workers = {w.worker.worker_id: w for w in router.workers(spec.model.name) if w.worker.role == role}
+    workers = {w.worker.worker_id: w for w in router.workers(spec.model.name) if spec.owns(w.worker)}
     # Draining workers from the router, not from the status: kopf may hand a timer the body from before its
     # last status patch, and a victim missing from the count would lower the replicas under its streams.
     draining = sorted(w for w, worker in workers.items() if worker.state == rpb.WORKER_STATE_DRAINING)
@@ -80,7 +80,7 @@ def rescale(spec: PoolSpec, status: dict[str, Any], router: RouterClient, curren
     if num_starting:
         drained = []  # lowered now, the ReplicaSet would remove a starting (not ready) pod instead
     draining = [w for w in draining if w not in drained]
-    signals = router.signals(spec.model.name, spec.signals_window_s, role)
+    signals = router.signals(spec.model.name, spec.signals_window_s, role, spec.pool)  # the pool's own
     floor = None
     if spec.role == "prefill" and num_decode is not None:
         floor = prefill_floor(spec.policy, num_decode, token_mix(signals), spec.throughput)

@@ -80,6 +80,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="what completion_window 24h means here (default 86400)")
     batch.add_argument("--batch-lease-ttl-s", type=float, default=BatchSettings.lease_ttl_s,
                        help="a job held by a gateway that died is taken over after this long")
+    for tier in ("paid", "free"):
+        default = getattr(BatchSettings, f"price_factor_{tier}")
+        batch.add_argument(f"--batch-price-factor-{tier}", type=float, default=default,
+                           help=f"the batch rate of {tier}-tier tenants: a batch item's tokens count against the "
+                                f"token quota and as billable tokens times this (default {default:g}, OpenAI's "
+                                "batch discount)")
     run.set_defaults(func=_run)
 
     key = subparsers.add_parser("gateway-key", help="generate an API key and add its digest to a keys file")
@@ -139,7 +145,9 @@ def _run(args: argparse.Namespace) -> int:
                                                    max_requests=args.batch_max_requests,
                                                    concurrency_per_tenant=args.batch_concurrency_per_tenant,
                                                    completion_window_s=args.batch_completion_window_s,
-                                                   lease_ttl_s=args.batch_lease_ttl_s),
+                                                   lease_ttl_s=args.batch_lease_ttl_s,
+                                                   price_factor_paid=args.batch_price_factor_paid,
+                                                   price_factor_free=args.batch_price_factor_free),
                                admission=AdmissionPolicy(args.wait_budget_paid_s, args.wait_budget_free_s,
                                                          args.wait_budget_batch_s),
                                degradation=degradation_policy(args))

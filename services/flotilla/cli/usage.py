@@ -1,5 +1,6 @@
 """`flotilla usage`: usage per tenant and traffic class (interactive, batch) over a time range, from the ledger
-(Redis stream or JSON-lines file)."""
+(Redis stream or JSON-lines file). `billable` is input + output at each request's price factor: batch items at
+the batch rate, as the tenant's token quota was charged."""
 
 from __future__ import annotations
 
@@ -75,9 +76,9 @@ def _run(args: argparse.Namespace) -> int:
             sys.stdout.write(json.dumps(t.__dict__) + "\n")
         return 0
     sys.stdout.write(f"{'tenant':<24} {'class':<11} {'requests':>9} {'ok':>7} {'input':>12} {'cached':>12} "
-                     f"{'output':>12}\n")
+                     f"{'output':>12} {'billable':>12}\n")
     for t in totals:
         sys.stdout.write(f"{t.tenant:<24} {t.traffic_class:<11} {t.num_requests:>9} {t.num_ok:>7} "
-                         f"{t.input_tokens:>12} "
-                         f"{t.cached_input_tokens:>12} {t.output_tokens:>12}\n")
+                         f"{t.input_tokens:>12} {t.cached_input_tokens:>12} {t.output_tokens:>12} "
+                         f"{t.billable_tokens:>12}\n")
     return 0

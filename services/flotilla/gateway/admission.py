@@ -3,7 +3,8 @@ headers in the dialect's style, and the request's class, deadline and wait budge
 
 The router decides 529 (fleet overload) from the wait budget sent here; this module decides 429 (the
 tenant's own quota) and 503 (Redis down while failing closed). Before either, a free-tier request may be
-degraded while the router's queue is long (degradation.py): a smaller max_tokens, a tighter token quota.
+degraded while the router's queue is long (degradation.py): a smaller max_tokens, a tighter token quota. A batch
+job's item is charged at the batch rate (its principal's price factor, usage/pricing.py), reserved and settled.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from flotilla.tenancy.admission_policy import AdmissionPolicy
 from flotilla.tenancy.gatekeeper import Gatekeeper, QuotaExceeded, Reservation
 from flotilla.tenancy.headers import anthropic_headers, openai_headers
 from flotilla.tenancy.quota import QuotaState, Reason
+from flotilla.usage.pricing import charged_tokens
 
 DEADLINE_HEADER = "x-flotilla-deadline-ms"
 MAX_DEADLINE_DIGITS = 9  # under 12 days
@@ -52,12 +54,13 @@ class Admitted:
     reservation: Reservation | None
     gatekeeper: Gatekeeper | None
     num_prompt_tokens: int
+    price_factor: float = 1.0  # the principal's: tokens are charged times this
 
     def settlement(self) -> QuotaSettlement | None:
         """The tap on the request's router stream that settles its reservation; None without a gatekeeper."""
         if self.gatekeeper is None or self.reservation is None:
             return None
-        return QuotaSettlement(self.gatekeeper, self.reservation, self.num_prompt_tokens)
+        return QuotaSettlement(self.gatekeeper, self.reservation, self.num_prompt_tokens, self.price_factor)
 
 
 async def admit(request: Request, gatekeeper: Gatekeeper | None, policy: AdmissionPolicy, dialect: Dialect,
@@ -74,18 +77,18 @@ async def admit(request: Request, gatekeeper: Gatekeeper | None, policy: Admissi
                                                      _degraded_header(degradation)]
     if gatekeeper is None:
         return Admitted(ticket, None, None, num_prompt_tokens)
+    charged = charged_tokens(num_prompt_tokens + max_tokens, principal.price_factor)
     try:
-        reservation = await gatekeeper.reserve(principal.tenant, limits, request_id,
-                                               num_prompt_tokens + max_tokens)
+        reservation = await gatekeeper.reserve(principal.tenant, limits, request_id, charged)
     except QuotaExceeded as refused:  # a degraded request's 429 carries its header too (set in the scope)
-        raise _quota_error(refused, dialect, num_prompt_tokens + max_tokens) from None
+        raise _quota_error(refused, dialect, num_prompt_tokens + max_tokens, charged) from None
     except BackendUnavailable as err:
         raise GatewayError(ErrorKind.UNAVAILABLE, "the quota store is unavailable; retry later",
                            code="unavailable") from err
     if reservation.decision is not None:
         request.scope[RESPONSE_HEADERS_SCOPE_KEY] = [*request.scope.get(RESPONSE_HEADERS_SCOPE_KEY, ()),
                                                      *_header_list(dialect, reservation.decision.state)]
-    return Admitted(ticket, reservation, gatekeeper, num_prompt_tokens)
+    return Admitted(ticket, reservation, gatekeeper, num_prompt_tokens, principal.price_factor)
 
 
 def _degradation(request: Request, policy: AdmissionPolicy, principal: Principal, model: str,
@@ -127,11 +130,12 @@ def _requested_deadline_s(request: Request) -> float:
     return int(value) / 1000
 
 
-def _quota_error(refused: QuotaExceeded, dialect: Dialect, num_tokens: int) -> GatewayError:
+def _quota_error(refused: QuotaExceeded, dialect: Dialect, num_tokens: int, num_charged: int) -> GatewayError:
     decision = refused.decision
     if decision.reason == Reason.TOO_LARGE:
         limit = decision.state.limits.tokens_per_minute
-        return GatewayError(ErrorKind.INVALID_REQUEST, f"prompt + max_tokens ({num_tokens}) exceeds this key's "
+        counted = f"{num_tokens}" if num_charged == num_tokens else f"{num_tokens}, {num_charged} at the batch rate"
+        return GatewayError(ErrorKind.INVALID_REQUEST, f"prompt + max_tokens ({counted}) exceeds this key's "
                             f"limit of {limit} tokens per minute", param="max_tokens", code="rate_limit_exceeded")
     what = _REFUSALS.get(decision.reason, decision.reason)
     retry_s = max(1, math.ceil(decision.retry_after_s))
@@ -149,15 +153,18 @@ def _header_list(dialect: Dialect, state: QuotaState, as_bytes: bool = True) -> 
 
 class QuotaSettlement:
     """Settles a reservation exactly once when the router stream ends, however it ends: prompt + generated
-    tokens are kept, the rest refunded. A stream that produced nothing (refused by the router, cancelled while
-    queued, aborted before a token) keeps nothing."""
+    tokens are kept (times the price factor), the rest refunded. A stream that produced nothing (refused by the
+    router, cancelled while queued, aborted before a token) keeps nothing."""
 
-    __slots__ = ("_gatekeeper", "_reservation", "_num_prompt_tokens", "_num_output_tokens", "_produced")
+    __slots__ = ("_gatekeeper", "_reservation", "_num_prompt_tokens", "_num_output_tokens", "_produced",
+                 "_price_factor")
 
-    def __init__(self, gatekeeper: Gatekeeper, reservation: Reservation, num_prompt_tokens: int):
+    def __init__(self, gatekeeper: Gatekeeper, reservation: Reservation, num_prompt_tokens: int,
+                 price_factor: float = 1.0):
         self._gatekeeper = gatekeeper
         self._reservation = reservation
         self._num_prompt_tokens = num_prompt_tokens
+        self._price_factor = price_factor
         self._num_output_tokens = 0
         self._produced = False
 
@@ -174,4 +181,4 @@ class QuotaSettlement:
 
     def on_end(self, error: GatewayError | None) -> None:
         used = self._num_prompt_tokens + self._num_output_tokens if self._produced else 0
-        self._gatekeeper.settle_soon(self._reservation, used)
+        self._gatekeeper.settle_soon(self._reservation, charged_tokens(used, self._price_factor))

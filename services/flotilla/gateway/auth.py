@@ -31,6 +31,9 @@ class Principal:
     cache_salt: str = ""
     batch_item: tuple[str, int] | None = None  # (job id, item index) of a batch-job item (batch_jobs/)
     safety_policy: str = ""  # "": the gateway's default safety policy
+    # What its tokens are charged, as a fraction (usage/pricing.py): 1, or a batch item's batch rate (set by the
+    # runner, never from a request)
+    price_factor: float = 1.0
 
     @property
     def salt(self) -> str:

@@ -234,7 +234,8 @@ class RouterEvents:
             self._ledger_tap = UsageLedgerTap(ctx.ledger, job.request, requested_model=self._requested_model,
                                               key_id=principal.key_id, streamed=self._streamed,
                                               batch_item=principal.batch_item,
-                                              withheld=lambda: self.num_withheld_tokens)
+                                              withheld=lambda: self.num_withheld_tokens,
+                                              price_factor=principal.price_factor)
             self._taps.append(self._ledger_tap)
         self._on_event = tuple(tap.on_event for tap in self._taps)
         call = ctx.backend.generate(job.to_proto(self._requested_model), telemetry.outgoing_metadata())

@@ -29,6 +29,7 @@ from flotilla.gateway.auth import PRIORITY_HEADER
 from flotilla.gateway.batch_api import BatchGenerateRequest
 from flotilla.gateway.batch_jobs.anthropic_batches import CreateMessageBatch
 from flotilla.gateway.batch_jobs.openai_batches import MAX_PAGE, CreateBatchRequest
+from flotilla.gateway.batch_jobs.openai_files import MAX_LIST_LIMIT, ORDERS
 from flotilla.gateway.degradation import DEGRADED_HEADER
 from flotilla.gateway.dialects import Dialect, dialect_for_path
 from flotilla.gateway.errors import ErrorKind
@@ -100,6 +101,14 @@ QUERY = {
                  "schema": {"type": "string"}},
     "before_id": {"name": "before_id", "description": "the page before this message batch id",
                   "schema": {"type": "string"}},
+    "file_limit": {"name": "limit", "description": f"page size (default {MAX_LIST_LIMIT})",
+                   "schema": {"type": "integer", "minimum": 1, "maximum": MAX_LIST_LIMIT}},
+    "file_after": {"name": "after", "description": "the id of the last file of the previous page",
+                   "schema": {"type": "string"}},
+    "order": {"name": "order", "description": "by created_at (default desc: newest first)",
+              "schema": {"enum": list(ORDERS)}},
+    "purpose": {"name": "purpose", "description": "only files of this purpose (batch, batch_output)",
+                "schema": {"type": "string"}},
 }
 _BATCH_LINE = {"custom_id": "request-1", "method": "POST", "url": "/v1/chat/completions",
                "body": {"max_tokens": 8, "messages": [{"role": "user", "content": "Say hello"}]}}
@@ -132,6 +141,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/v1/files"): Operation("Upload a JSONL batch input file (OpenAI)", response=shapes.FILE,
                                      form=shapes.FILE_UPLOAD, errors=BATCH_CREATE_ERRORS,
                                      example={"purpose": "batch", "file": json.dumps(_BATCH_LINE) + "\n"}),
+    ("GET", "/v1/files"): Operation("The caller's files (OpenAI)", response=shapes.FILE_LIST, errors=LOOKUP_ERRORS,
+                                    query=("purpose", "file_limit", "order", "file_after")),
     ("GET", "/v1/files/{file_id}"): Operation("One file (OpenAI)", response=shapes.FILE, errors=LOOKUP_ERRORS),
     ("DELETE", "/v1/files/{file_id}"): Operation("Delete a file (OpenAI)", response=shapes.FILE_DELETED,
                                                  errors=LOOKUP_ERRORS),

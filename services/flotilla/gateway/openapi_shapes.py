@@ -93,8 +93,12 @@ SSE["description"] = "Server-sent events: the dialect's stream events, then its 
 # Batch jobs (batch_jobs/): OpenAI's File and Batch objects, Anthropic's MessageBatch.
 FILE = _object({
     "id": {"type": "string"}, "object": {"const": "file"}, "bytes": _INT, "created_at": _INT,
-    "filename": {"type": "string"}, "purpose": {"const": "batch"}, "status": {"const": "processed"},
+    "filename": {"type": "string"}, "purpose": {"enum": ["batch", "batch_output"]}, "status": {"const": "processed"},
     "status_details": {"type": "null"}, "expires_at": {"type": "null"}}, closed=True)
+
+FILE_LIST = _object({"object": {"const": "list"}, "data": {"type": "array", "items": FILE},
+                     "first_id": _NULLABLE_STRING, "last_id": _NULLABLE_STRING, "has_more": {"type": "boolean"}},
+                    closed=True)
 
 FILE_DELETED = _object({"id": {"type": "string"}, "object": {"const": "file"}, "deleted": {"type": "boolean"}},
                        closed=True)

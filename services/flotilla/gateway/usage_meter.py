@@ -32,11 +32,12 @@ from flotilla.usage.record import (STATUS_CANCELLED, STATUS_ERROR, STATUS_FILTER
 
 class UsageLedgerTap:
     __slots__ = ("_ledger", "_request", "_model", "_key_id", "_started_at", "_num_output_tokens", "_status",
-                 "_error_code", "_last", "_next_checkpoint", "_settled", "_streamed", "_batch_item", "_withheld")
+                 "_error_code", "_last", "_next_checkpoint", "_settled", "_streamed", "_batch_item", "_withheld",
+                 "_price_factor")
 
     def __init__(self, ledger: UsageLedger, request: NewRequest, requested_model: str, key_id: str,
                  streamed: bool = False, batch_item: tuple[str, int] | None = None,
-                 withheld: Callable[[], int] | None = None):
+                 withheld: Callable[[], int] | None = None, price_factor: float = 1.0):
         self._ledger = ledger
         self._withheld = withheld  # relayed tokens not (yet) sent to the client: a checkpoint does not bill them
         self._streamed = streamed  # else nothing reaches the caller before the end: no checkpoint bills output
@@ -49,6 +50,7 @@ class UsageLedgerTap:
         self._error_code = ""
         self._last: Finished | Error | None = None  # the terminal event
         self._batch_item = batch_item  # (job id, index) of a batch-job item
+        self._price_factor = price_factor  # its batch rate; 1 for interactive traffic
         self._settled = False
         self._next_checkpoint = time.monotonic() + ledger.checkpoint_interval_s
         ledger.record(self.record(STATUS_OPEN))  # admitted: the request exists in the ledger from here on
@@ -101,4 +103,4 @@ class UsageLedgerTap:
             cached_input_tokens=usage.cached_prompt_tokens if usage is not None else 0,
             output_tokens=self._num_output_tokens - num_withheld_tokens, status=status or self._status,
             error_code=self._error_code, attempts=attempts, started_at=self._started_at, finished_at=time.time(),
-            batch_id=batch_id, batch_item=batch_item)
+            batch_id=batch_id, batch_item=batch_item, price_factor=self._price_factor)

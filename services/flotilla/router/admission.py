@@ -185,6 +185,15 @@ class Admission:
         return sum(w.num_prompt_tokens for queues in self._lanes(name) for w in queues.waiters()
                    if not w.future.done())
 
+    def waiting(self, name: str, pool: str = "") -> tuple[int, int]:
+        """(requests, prompt tokens) waiting for this model: in both lanes, or for one pool (DEFAULT_POOL, or
+        LONG_CONTEXT_POOL: its own lane), as the autoscaler scales that pool."""
+        if not pool:
+            return self.queue_depth(name), self.queued_tokens(name)
+        queues = (self._long_queues if pool == LONG_CONTEXT_POOL else self._queues).get(name)
+        pending = [w for w in queues.waiters() if not w.future.done()] if queues else []
+        return len(pending), sum(w.num_prompt_tokens for w in pending)
+
     def estimated_wait_s(self, name: str, ticket: Ticket | None = None, long_lane: bool = False) -> float | None:
         """Tokens ahead (router queue + prompts not yet computed on the workers) / measured throughput;
         None while the fleet's throughput is unmeasured. `long_lane`: the ticket waits in the long-context lane."""

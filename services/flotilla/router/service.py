@@ -336,10 +336,10 @@ class RouterService(LeaseRpcs, ModelLifecycleRpcs, router_pb2_grpc.RouterService
     async def GetPoolSignals(
         self, request: rpb.GetPoolSignalsRequest, context: grpc.aio.ServicerContext
     ) -> rpb.GetPoolSignalsResponse:
-        if not request.model:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model needed")
-        return pool_signals(request, self._registry, self.traffic, self._admission.queue_depth(request.model),
-                            self._admission.queued_tokens(request.model))
+        if not request.model or request.pool not in ("", *POOLS):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model needed; pool one of {POOLS} or empty")
+        return pool_signals(request, self._registry, self.traffic, *self._admission.waiting(request.model,
+                                                                                            request.pool))
 
     async def GetQueueLoad(
         self, request: rpb.GetQueueLoadRequest, context: grpc.aio.ServicerContext

@@ -1,6 +1,7 @@
 """OpenAI's Files API, for batch input: POST /v1/files (multipart, purpose `batch`, a JSONL file within the size
-and line limits), GET /v1/files/{id}, GET /v1/files/{id}/content, DELETE /v1/files/{id}. Output and error
-files of finished jobs are read the same way. Files are the tenant's: another tenant's id is a 404."""
+and line limits), GET /v1/files (the tenant's files: `purpose`, `limit`, `order`, `after`), GET /v1/files/{id},
+GET /v1/files/{id}/content, DELETE /v1/files/{id}. Output and error files of finished jobs (purpose
+`batch_output`) are read the same way. Files are the tenant's: another tenant's id is a 404."""
 
 from __future__ import annotations
 
@@ -13,15 +14,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from flotilla.gateway.auth import authenticate
+from flotilla.gateway.batch_jobs.openai_batches import page_limit
 from flotilla.gateway.batch_jobs.records import StoredFile, new_id
 from flotilla.gateway.batch_jobs.service import batch_jobs
 from flotilla.gateway.batch_jobs.settings import BatchSettings
+from flotilla.gateway.batch_jobs.store import UnknownCursor
 from flotilla.gateway.body import read_body
 from flotilla.gateway.context import dialect_endpoint, gateway_context
 from flotilla.gateway.dialects import Dialect
 from flotilla.gateway.errors import ErrorKind, GatewayError
 
 MULTIPART_OVERHEAD_BYTES = 64 * 1024  # boundaries, part headers and the purpose field around the file
+MAX_LIST_LIMIT = 10_000  # OpenAI's bound on GET /v1/files?limit, and its default
+ORDERS = ("asc", "desc")
 
 
 def file_object(meta: StoredFile) -> dict:
@@ -90,6 +95,27 @@ def _check_jsonl(content: bytes, settings: BatchSettings) -> None:
     if longest > settings.max_line_bytes:
         raise GatewayError(ErrorKind.INVALID_REQUEST, f"a line is {longest} bytes; the limit is "
                            f"{settings.max_line_bytes}", param="file")
+
+
+@dialect_endpoint(Dialect.OPENAI)
+async def list_files(request: Request) -> Response:
+    """By created_at, newest first unless order=asc; `after` is the last id of the previous page."""
+    principal = await authenticate(request.headers, gateway_context(request).gatekeeper)
+    query = request.query_params
+    limit = page_limit(query.get("limit"), default=MAX_LIST_LIMIT, maximum=MAX_LIST_LIMIT)
+    order = query.get("order", "desc")
+    if order not in ORDERS:
+        raise GatewayError(ErrorKind.INVALID_REQUEST, "order must be 'asc' or 'desc'", param="order")
+    after = query.get("after") or None
+    try:
+        files, has_more = await batch_jobs(request).store.list_files(principal.tenant, query.get("purpose") or None,
+                                                                     order == "desc", after, limit)
+    except UnknownCursor:
+        raise GatewayError(ErrorKind.INVALID_REQUEST, f"after: no file with id {after!r} in this listing",
+                           param="after") from None
+    data = [file_object(meta) for meta in files]
+    return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                         "last_id": data[-1]["id"] if data else None, "has_more": has_more})
 
 
 @dialect_endpoint(Dialect.OPENAI)

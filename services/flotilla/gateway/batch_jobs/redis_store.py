@@ -1,11 +1,14 @@
 """The batch store in Redis (the gateway has --redis-url): shared by every gateway, so a job started on one is
-resumed by another. Keys under flotilla:batch:; a result and its count move together (one Lua script)."""
+resumed by another. Keys under flotilla:batch:; a result and its count move together (one Lua script). A
+tenant's files are indexed in sorted sets by created_at (all of them, and per purpose): ties sort by id, so
+the order is (created_at, id) as in SQLite, and a page is read by rank."""
 
 from __future__ import annotations
 
 import json
 
 from flotilla.gateway.batch_jobs.records import BatchJob, ItemResult, StoredFile
+from flotilla.gateway.batch_jobs.store import UnknownCursor
 
 PREFIX = "flotilla:batch:"
 ACTIVE = PREFIX + "active"
@@ -26,11 +29,28 @@ if holder == false or holder == ARGV[1] then
 end
 return 0
 """
+# KEYS: file index; ARGV: cursor id ("" = from the start), count, "1" = descending. nil: no such cursor.
+_FILE_PAGE = """
+local rank_of, range = 'ZRANK', 'ZRANGE'
+if ARGV[3] == '1' then rank_of, range = 'ZREVRANK', 'ZREVRANGE' end
+local start = 0
+if ARGV[1] ~= '' then
+  local rank = redis.call(rank_of, KEYS[1], ARGV[1])
+  if not rank then return false end
+  start = rank + 1
+end
+return redis.call(range, KEYS[1], start, start + tonumber(ARGV[2]) - 1)
+"""
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _file_index(tenant: str, purpose: str | None = None) -> str:
+    """Purposes are this API's own words (no ':'), so the two key shapes never meet."""
+    return f"{PREFIX}files-of:{tenant}" if purpose is None else f"{PREFIX}files-for:{purpose}:{tenant}"
 
 
 class RedisBatchStore:
@@ -40,9 +60,14 @@ class RedisBatchStore:
         self._put_result = client.register_script(_PUT_RESULT)
         self._acquire = client.register_script(_ACQUIRE)
         self._release = client.register_script(_RELEASE)
+        self._file_page = client.register_script(_FILE_PAGE)
 
     async def put_file(self, meta: StoredFile, content: bytes) -> None:
-        await self._redis.hset(f"{PREFIX}file:{meta.id}", mapping={"meta": meta.to_json(), "content": content})
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hset(f"{PREFIX}file:{meta.id}", mapping={"meta": meta.to_json(), "content": content})
+            for index in (_file_index(meta.tenant), _file_index(meta.tenant, meta.purpose)):
+                pipe.zadd(index, {meta.id: meta.created_at})
+            await pipe.execute()
 
     async def get_file(self, file_id: str) -> StoredFile | None:
         meta = await self._redis.hget(f"{PREFIX}file:{file_id}", "meta")
@@ -52,7 +77,28 @@ class RedisBatchStore:
         return await self._redis.hget(f"{PREFIX}file:{file_id}", "content")
 
     async def delete_file(self, file_id: str) -> bool:
-        return bool(await self._redis.delete(f"{PREFIX}file:{file_id}"))
+        meta = await self.get_file(file_id)
+        if meta is None:
+            return False
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(f"{PREFIX}file:{file_id}")
+            for index in (_file_index(meta.tenant), _file_index(meta.tenant, meta.purpose)):
+                pipe.zrem(index, file_id)
+            deleted, *_ = await pipe.execute()
+        return bool(deleted)
+
+    async def list_files(self, tenant: str, purpose: str | None, descending: bool, after: str | None,
+                         limit: int) -> tuple[list[StoredFile], bool]:
+        ids = await self._file_page(keys=[_file_index(tenant, purpose)],
+                                    args=[after or "", limit + 1, "1" if descending else "0"])
+        if ids is None:
+            raise UnknownCursor(after)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for file_id in ids[:limit]:
+                pipe.hget(f"{PREFIX}file:{_text(file_id)}", "meta")
+            metas = await pipe.execute()
+        # A file deleted between the two reads is left out.
+        return [StoredFile.from_json(meta) for meta in metas if meta is not None], len(ids) > limit
 
     async def put_job(self, job: BatchJob) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:

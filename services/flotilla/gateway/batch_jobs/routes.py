@@ -10,6 +10,7 @@ from flotilla.gateway.batch_jobs import anthropic_batches, openai_batches, opena
 def add_routes(app: FastAPI) -> None:
     route = app.add_api_route
     route("/v1/files", openai_files.upload_file, methods=["POST"])
+    route("/v1/files", openai_files.list_files, methods=["GET"])
     route("/v1/files/{file_id}", openai_files.get_file, methods=["GET"])
     route("/v1/files/{file_id}", openai_files.delete_file, methods=["DELETE"])
     route("/v1/files/{file_id}/content", openai_files.file_content, methods=["GET"])

@@ -2,7 +2,8 @@
 writes its results and final status; resumes whatever is left after a restart.
 
 Every item is one call through the gateway's own app (dispatch.py) in the batch class, so the router places it
-only while no interactive request waits and the engine preempts it first. A refusal that says "later"
+only while no interactive request waits and the engine preempts it first; its tokens are charged to the tenant's
+quota and ledger at the batch rate of the owner's tier (settings.price_factor). A refusal that says "later"
 (429, 503, 529; a 500 or 504 up to MAX_FAULTS times) is retried with backoff until the completion window ends;
 any other answer is the item's result. `put_result` keeps the first result of an item, and an item with one is
 never run again, so an item re-run after a crash is answered and counted once. The usage ledger is flushed
@@ -227,7 +228,8 @@ class BatchRunner:
     async def _run_item(self, job: BatchJob, index: int, item: dict) -> None:
         owner = job.owner
         principal = Principal(owner.key_id, owner.tenant, owner.tier, "batch", Limits(**owner.limits),
-                              owner.cache_salt, batch_item=(job.id, index), safety_policy=owner.safety_policy)
+                              owner.cache_salt, batch_item=(job.id, index), safety_policy=owner.safety_policy,
+                              price_factor=self.settings.price_factor(owner.tier))
         body = item["body"]
         if body.get("stream"):
             dialect = Dialect.ANTHROPIC if job.dialect == ANTHROPIC else Dialect.OPENAI

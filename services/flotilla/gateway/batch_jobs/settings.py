@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,10 @@ class BatchSettings:
     lease_ttl_s: float = 10.0  # a gateway that dies holding a job frees it after this long
     retry_s: float = 0.5  # first wait before re-running an item refused as overloaded or rate-limited
     max_retry_s: float = 10.0
+    # The batch rate per tier: what an item's tokens count against the tenant's token quota and in the ledger's
+    # billable tokens, as a fraction of an interactive request's (OpenAI's batch discount is half).
+    price_factor_paid: float = 0.5
+    price_factor_free: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("max_file_bytes", "max_requests", "max_line_bytes", "concurrency_per_tenant"):
@@ -25,3 +30,9 @@ class BatchSettings:
         for name in ("completion_window_s", "lease_ttl_s", "retry_s", "max_retry_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"batch {name} must be > 0, got {getattr(self, name)}")
+        for name in ("price_factor_paid", "price_factor_free"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"batch {name} must be a number >= 0, got {getattr(self, name)}")
+
+    def price_factor(self, tier: str) -> float:
+        return self.price_factor_free if tier == "free" else self.price_factor_paid

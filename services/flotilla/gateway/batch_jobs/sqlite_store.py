@@ -1,7 +1,8 @@
 """The batch store in one SQLite file (`flotilla up` without Redis; ":memory:" when nothing is configured).
 
 One connection, used from a worker thread under a lock: the gateway is one process, and each call is a short
-transaction (WAL journal, so a kill -9 loses at most the call in flight).
+transaction (WAL journal, so a kill -9 loses at most the call in flight). Files carry their tenant, purpose and
+created_at as columns, indexed for listing; a file from before those columns has them filled in from its meta.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import time
 from pathlib import Path
 
 from flotilla.gateway.batch_jobs.records import ACTIVE_STATUSES, BatchJob, ItemResult, StoredFile
+from flotilla.gateway.batch_jobs.store import UnknownCursor
 
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS files (id TEXT PRIMARY KEY, meta TEXT NOT NULL, content BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS files (id TEXT PRIMARY KEY, meta TEXT NOT NULL, content BLOB NOT NULL, tenant TEXT,
+                                  purpose TEXT, created_at REAL);
 CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, tenant TEXT NOT NULL, dialect TEXT NOT NULL,
                                  created_at REAL NOT NULL, active INTEGER NOT NULL, doc TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS jobs_by_tenant ON jobs (tenant, dialect, created_at);
@@ -25,6 +28,8 @@ CREATE TABLE IF NOT EXISTS results (job_id TEXT NOT NULL, idx INTEGER NOT NULL, 
                                     doc TEXT NOT NULL, PRIMARY KEY (job_id, idx));
 CREATE TABLE IF NOT EXISTS leases (job_id TEXT PRIMARY KEY, owner TEXT NOT NULL, until REAL NOT NULL);
 """
+_FILE_COLUMNS = ("tenant", "purpose", "created_at")
+_FILES_INDEX = "CREATE INDEX IF NOT EXISTS files_by_tenant ON files (tenant, created_at, id)"
 
 
 class SQLiteBatchStore:
@@ -35,6 +40,18 @@ class SQLiteBatchStore:
         self._lock = threading.Lock()
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.executescript(_SCHEMA)
+        self._add_file_columns()
+        self._db.execute(_FILES_INDEX)
+
+    def _add_file_columns(self) -> None:
+        """A state file written before files were listed: its files table gets the listing's columns."""
+        present = {row[1] for row in self._db.execute("PRAGMA table_info(files)")}
+        missing = [name for name in _FILE_COLUMNS if name not in present]
+        for name in missing:
+            self._db.execute(f"ALTER TABLE files ADD COLUMN {name}")
+        if missing:
+            self._db.execute("UPDATE files SET tenant = json_extract(meta, '$.tenant'), purpose = "
+                             "json_extract(meta, '$.purpose'), created_at = json_extract(meta, '$.created_at')")
 
     async def _run(self, sql: str, args: tuple = ()) -> list[tuple]:
         return await asyncio.to_thread(self._execute, sql, args)
@@ -45,7 +62,9 @@ class SQLiteBatchStore:
             return cursor.fetchall()
 
     async def put_file(self, meta: StoredFile, content: bytes) -> None:
-        await self._run("INSERT OR REPLACE INTO files VALUES (?, ?, ?)", (meta.id, meta.to_json(), content))
+        await self._run("INSERT OR REPLACE INTO files (id, meta, content, tenant, purpose, created_at) "
+                        "VALUES (?, ?, ?, ?, ?, ?)",
+                        (meta.id, meta.to_json(), content, meta.tenant, meta.purpose, meta.created_at))
 
     async def get_file(self, file_id: str) -> StoredFile | None:
         rows = await self._run("SELECT meta FROM files WHERE id = ?", (file_id,))
@@ -57,6 +76,28 @@ class SQLiteBatchStore:
 
     async def delete_file(self, file_id: str) -> bool:
         return bool(await self._run("DELETE FROM files WHERE id = ? RETURNING id", (file_id,)))
+
+    async def list_files(self, tenant: str, purpose: str | None, descending: bool, after: str | None,
+                         limit: int) -> tuple[list[StoredFile], bool]:
+        return await asyncio.to_thread(self._list_files, tenant, purpose, descending, after, limit)
+
+    def _list_files(self, tenant: str, purpose: str | None, descending: bool, after: str | None,
+                    limit: int) -> tuple[list[StoredFile], bool]:
+        where, args = "tenant = ?", [tenant]
+        if purpose is not None:
+            where, args = where + " AND purpose = ?", [*args, purpose]
+        with self._lock:  # the cursor and its page read together (every call of this process takes the lock)
+            if after:
+                cursor = self._db.execute(f"SELECT created_at, id FROM files WHERE {where} AND id = ?",
+                                          (*args, after)).fetchone()
+                if cursor is None:
+                    raise UnknownCursor(after)
+                before_or_after = "<" if descending else ">"
+                where, args = where + f" AND (created_at, id) {before_or_after} (?, ?)", [*args, *cursor]
+            order = "DESC" if descending else "ASC"
+            rows = self._db.execute(f"SELECT meta FROM files WHERE {where} ORDER BY created_at {order}, id {order} "
+                                    "LIMIT ?", (*args, limit + 1)).fetchall()
+        return [StoredFile.from_json(meta) for (meta,) in rows[:limit]], len(rows) > limit
 
     async def put_job(self, job: BatchJob) -> None:
         await self._run("INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, ?)",

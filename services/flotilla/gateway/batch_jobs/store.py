@@ -3,6 +3,7 @@
 Everything a job needs to survive a gateway restart: uploaded and produced files, jobs, their items, one result
 per item. `put_result` keeps the first result of an (job, index) and reports whether it was that first: the
 one rule that makes an item count once however often it ran. A lease names the one gateway running a job.
+Files are listed per tenant from an index ordered by (created_at, id), never by reading every file.
 """
 
 from __future__ import annotations
@@ -10,6 +11,10 @@ from __future__ import annotations
 from typing import Protocol
 
 from flotilla.gateway.batch_jobs.records import BatchJob, ItemResult, StoredFile
+
+
+class UnknownCursor(LookupError):
+    """A listing's `after` names no file of that listing (the tenant's, of the purpose asked for)."""
 
 
 class BatchStore(Protocol):
@@ -20,6 +25,11 @@ class BatchStore(Protocol):
     async def file_content(self, file_id: str) -> bytes | None: ...
 
     async def delete_file(self, file_id: str) -> bool: ...
+
+    async def list_files(self, tenant: str, purpose: str | None, descending: bool, after: str | None,
+                         limit: int) -> tuple[list[StoredFile], bool]:
+        """Up to `limit` of the tenant's files (of `purpose`, or all), by (created_at, id), after the file
+        `after`; and whether more follow. Raises UnknownCursor when `after` is not in that listing."""
 
     async def put_job(self, job: BatchJob) -> None:
         """Creates or replaces the job (the active set follows job.is_active)."""
