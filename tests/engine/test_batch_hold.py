@@ -5,7 +5,11 @@ hold_batch_max_steps steps in a row; an interactive request short of blocks or a
 
 from __future__ import annotations
 
+import pytest
+
+from flotilla.engine.config import EngineConfig
 from flotilla.engine.request import Priority, RequestStatus
+from flotilla.engine.scheduler import SchedulerConfig
 
 from tests.engine.test_scheduler import _chunks, _request, _scheduler, _step
 
@@ -91,3 +95,10 @@ def test_an_interactive_request_takes_a_batch_sequence_s_seat_at_max_num_seqs():
     output = _step(scheduler, runner)
     assert [r.request_id for r in output.preempted] == ["b2"] and _names(output) == ["i1"]
     assert scheduler.num_running == 2
+
+
+def test_a_cap_below_one_step_is_refused():
+    with pytest.raises(ValueError, match="hold_batch_max_steps"):
+        SchedulerConfig(hold_batch_max_steps=0)
+    with pytest.raises(ValueError, match="hold_batch_max_steps"):
+        EngineConfig(model_dir="unused", hold_batch_max_steps=0).validate()
