@@ -9,6 +9,7 @@ last ONE JSON line.
 
   .venv/bin/python loadtest/bench_batch_tier.py
   .venv/bin/python loadtest/bench_batch_tier.py --batch-items 200 --probes 60 --batch-concurrency 8
+  .venv/bin/python loadtest/bench_batch_tier.py --no-hold-batch   # batch sequences beside interactive prefills
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-items", type=int, default=100)
     p.add_argument("--batch-max-tokens", type=int, default=32)
     p.add_argument("--batch-concurrency", type=int, default=4, help="the gateway's --batch-concurrency-per-tenant")
+    p.add_argument("--no-hold-batch", action="store_true",
+                   help="the worker's --no-hold-batch: batch sequences run beside interactive prefills")
     p.add_argument("--probes", type=int, default=30, help="interactive probes per phase")
     p.add_argument("--probe-max-tokens", type=int, default=8)
     p.add_argument("--probe-gap-s", type=float, default=0.2, help="pause between probes (interactive is sparse)")
@@ -90,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = ensure_checkpoint(Path.home() / ".cache" / "flotilla" / "bench", args.size)
     with tempfile.TemporaryDirectory() as state:
         config = FleetConfig(model_dir=model_dir, state_dir=Path(state), model_name=MODEL, metrics=False,
-                             worker_args=["--output-check-interval-s", "0"],
+                             worker_args=["--output-check-interval-s", "0",
+                                          *(["--no-hold-batch"] if args.no_hold_batch else [])],
                              gateway_args=["--batch-concurrency-per-tenant", str(args.batch_concurrency)])
         with LocalFleet(config) as fleet, httpx.Client(timeout=120) as client:
             url = fleet.gateway_url
@@ -111,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             trough_s = time.monotonic() - started - mixed_s
             final = client.get(f"{url}/v1/batches/{batch['id']}").json()
     line = {"size": args.size, "batch_items": args.batch_items, "batch_max_tokens": args.batch_max_tokens,
-            "batch_concurrency": args.batch_concurrency, "probes": args.probes, "loadavg_1m": os.getloadavg()[0],
+            "batch_concurrency": args.batch_concurrency, "hold_batch": not args.no_hold_batch, "probes": args.probes, "loadavg_1m": os.getloadavg()[0],
             "ttft_alone_p50_s": statistics.median(alone), "ttft_alone_p95_s": p95(alone),
             "ttft_mixed_p50_s": statistics.median(mixed), "ttft_mixed_p95_s": p95(mixed),
             "ttft_p95_ratio": p95(mixed) / p95(alone),

@@ -87,7 +87,7 @@ def bounded_scheduler(cap: int, **config):
 
 
 def test_batch_sequences_wait_first_when_the_cap_binds():
-    scheduler, runner = bounded_scheduler(cap=4)
+    scheduler, runner = bounded_scheduler(cap=4, hold_batch=False)  # the bound alone (test_batch_hold.py: hold)
     for name in ("b1", "b2", "b3"):
         scheduler.add_request(_request(name, [1, 2], max_tokens=20, priority=Priority.BATCH))
     assert [c[0] for c in _chunks(_step(scheduler, runner))] == ["b1", "b2", "b3"]  # under the cap: all run
@@ -105,7 +105,7 @@ def test_batch_sequences_wait_first_when_the_cap_binds():
 
 
 def test_without_a_bound_every_running_sequence_runs():
-    scheduler, runner = _scheduler(num_blocks=64, max_num_batched_tokens=64)
+    scheduler, runner = _scheduler(num_blocks=64, max_num_batched_tokens=64, hold_batch=False)
     for i in range(6):
         scheduler.add_request(_request(f"r{i}", [i + 1], max_tokens=20, priority=Priority(i % 2)))
     assert len(_chunks(_step(scheduler, runner))) == 6 and scheduler.seq_limit == 256

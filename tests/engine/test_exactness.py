@@ -8,6 +8,7 @@ import pytest
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.engine import LLMEngine
 from flotilla.engine.new_request import NewRequest
+from flotilla.engine.request import Priority
 from flotilla.engine.sampling_params import SamplingParams
 
 
@@ -105,6 +106,26 @@ def test_requests_added_mid_decode_match_transformers(reference):
         if later and any(outputs[k] for k in outputs):  # someone is decoding: add the next one
             add(later.pop(0))
     assert [outputs[f"r{i}"] for i in range(len(reference.prompts))] == reference.expected
+    _assert_all_free(engine)
+
+
+def test_batch_held_back_for_interactive_prefills_matches_transformers(reference):
+    # Batch-class and interactive requests arriving mid-decode in 60 blocks: batch sequences sit out interactive
+    # prefills (hold_batch, on by default) and are preempted for them; every output is still transformers' own.
+    engine = _engine(reference, num_kv_blocks=60, max_num_batched_tokens=256)
+    outputs: dict[str, list[int]] = {}
+    later = list(range(len(reference.prompts)))
+    while later or engine.has_unfinished_requests():
+        if later and (not outputs or any(outputs.values())):
+            i = later.pop(0)
+            priority = Priority.BATCH if i % 2 == 0 else Priority.INTERACTIVE
+            engine.add_request(NewRequest(f"r{i}", tuple(reference.prompts[i]), _greedy(reference.max_tokens[i]),
+                                          priority=priority))
+            outputs[f"r{i}"] = []
+        for output in engine.step():
+            outputs[output.request_id] += output.new_token_ids
+    assert [outputs[f"r{i}"] for i in range(len(reference.prompts))] == reference.expected
+    assert engine.scheduler.num_held_steps > 0 and engine.stats().num_preemptions > 0
     _assert_all_free(engine)
 
 

@@ -211,7 +211,9 @@ def test_interactive_admitted_before_batch():
 
 
 def test_victim_is_lowest_priority_then_newest():
-    scheduler, runner = _scheduler(num_blocks=4, block_size=2, max_num_batched_tokens=64, num_lookahead_steps=0)
+    # Without hold_batch, so that b1 runs beside the interactive prefills (test_batch_hold.py: with it).
+    scheduler, runner = _scheduler(num_blocks=4, block_size=2, max_num_batched_tokens=64, num_lookahead_steps=0,
+                                   hold_batch=False)
     scheduler.add_request(_request("i1", [1, 1], max_tokens=6))
     scheduler.add_request(_request("b1", [2, 2], max_tokens=6, priority=Priority.BATCH))
     scheduler.add_request(_request("i2", [3, 3], max_tokens=6))

@@ -35,6 +35,10 @@ class EngineConfig:
     # Sequences per step bounded so that steps (each one token of every sequence in it: the TPOT) stay under
     # this (batch_bound.py); None = off. `flotilla worker --target-tpot-ms` sets it (auto: 50 ms on cuda).
     target_tpot_s: float | None = None
+    # Batch-class sequences sit out the steps in which an interactive request waits for or is in its prefill (at
+    # most hold_batch_max_steps in a row), and are the first preempted for an interactive one (scheduler.py).
+    hold_batch: bool = True
+    hold_batch_max_steps: int = 8
     num_lookahead_steps: int = 4  # growth reserved at admission: projected KV = known tokens + this many
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"  # or "swap"
@@ -53,6 +57,8 @@ class EngineConfig:
                              f"{self.kv_cache_dtype!r}")
         if self.target_tpot_s is not None and self.target_tpot_s <= 0:
             raise ValueError(f"target_tpot_s must be > 0 (None: off), got {self.target_tpot_s}")
+        if self.hold_batch_max_steps < 1:
+            raise ValueError(f"hold_batch_max_steps must be >= 1, got {self.hold_batch_max_steps}")
         if self.preemption_mode == "swap" and self.num_host_kv_blocks < 1:
             raise ValueError("preemption_mode 'swap' needs num_host_kv_blocks >= 1")
 

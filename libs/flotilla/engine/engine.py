@@ -80,6 +80,8 @@ class LLMEngine:
                 preemption_mode=config.preemption_mode,
                 max_model_len=self.max_model_len,
                 batch_bound=BatchBoundConfig(config.target_tpot_s) if config.target_tpot_s else None,
+                hold_batch=config.hold_batch,
+                hold_batch_max_steps=config.hold_batch_max_steps,
             ),
             self.kv_cache_manager,
         )

@@ -9,6 +9,11 @@ That single rule covers prefill (many known tokens), chunked prefill (the budget
 With a batch bound (batch_bound.py) a step runs at most `cap` sequences: running ones interactive first,
 then by arrival, so batch-class sequences are the first to wait (they keep their KV blocks, paused), and
 waiting ones are admitted only while the step has room under the cap.
+With `hold_batch` (on by default) batch-class sequences sit out every step in which an interactive request waits
+for or is in its prefill (paused, blocks kept), so that the prefill gets the whole step and token budget; interactive
+decodes run on, and a stream of them alone never holds batch back. At most `hold_batch_max_steps` held steps in a
+row, then one step runs batch too: a flood of interactive prefills slows the batch tier, it does not stop it. An
+interactive request that finds no free blocks or seat preempts batch-class sequences (newest first) to get in.
 No tensors here: the output names block ids and copies for the model runner.
 """
 
@@ -21,7 +26,7 @@ from typing import Literal
 from flotilla.engine.batch_bound import BatchBound, BatchBoundConfig
 from flotilla.engine.errors import ContextLengthError, InvalidRequestError
 from flotilla.engine.kv_cache_manager import KVCacheManager
-from flotilla.engine.request import FinishReason, Request, RequestStatus
+from flotilla.engine.request import FinishReason, Priority, Request, RequestStatus
 from flotilla.engine.scheduler_output import (
     BlockCopy,
     ModelRunnerOutput,
@@ -40,9 +45,11 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode = "recompute"
     max_model_len: int | None = None  # prompt + max_tokens limit; None = only the KV capacity limits
     batch_bound: BatchBoundConfig | None = None  # sequences per step bounded by a target TPOT; None = off
+    hold_batch: bool = True  # batch-class sequences wait while an interactive prefill is pending
+    hold_batch_max_steps: int = 8  # held steps in a row at most; then one step runs batch too
 
     def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "hold_batch_max_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_lookahead_steps < 0:
@@ -58,6 +65,7 @@ class _Step:
     """What one schedule() call has decided so far."""
 
     budget: int
+    hold_batch: bool = False  # batch-class requests sit this step out
     output: SchedulerOutput = field(default_factory=SchedulerOutput)
     scheduled_ids: set[str] = field(default_factory=set)
 
@@ -81,6 +89,8 @@ class Scheduler:
         self._checked_idle = True
         self.last_num_scheduled_tokens = 0
         self.bound = BatchBound(config.batch_bound, config.max_num_seqs) if config.batch_bound else None
+        self._held_in_a_row = 0
+        self.num_held_steps = 0  # steps that held batch-class requests back, since start
 
     # ---- views ---------------------------------------------------------------------------------
     @property
@@ -151,7 +161,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.kv.end_step()  # normally done by update_from_output; harmless twice
         self._check_integrity_when_idle()
-        step = _Step(budget=self.config.max_num_batched_tokens)
+        step = _Step(budget=self.config.max_num_batched_tokens, hold_batch=self._hold_batch_this_step())
         self._schedule_running(step)
         self._schedule_waiting(step)
         self.last_num_scheduled_tokens = step.output.num_scheduled_tokens
@@ -199,6 +209,8 @@ class Scheduler:
                 return
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted as a victim earlier in this loop
+            if step.hold_batch and request.priority >= Priority.BATCH:
+                continue  # paused for an interactive prefill, blocks kept
             num_new_tokens = min(request.num_uncomputed_tokens, step.budget)
             if num_new_tokens <= 0:
                 continue
@@ -207,11 +219,14 @@ class Scheduler:
                 step.add_chunk(request, num_new_tokens, self.kv.block_ids(request.request_id), copies)
 
     def _schedule_waiting(self, step: _Step) -> None:
-        while (self._waiting and step.budget > 0 and len(self._running) < self.config.max_num_seqs
-               and len(step.scheduled_ids) < self.seq_limit):
+        while self._waiting and step.budget > 0 and len(step.scheduled_ids) < self.seq_limit:
             request = self._waiting[0]
+            if step.hold_batch and request.priority >= Priority.BATCH:
+                return
             if request in step.output.preempted:
                 return  # memory ran short this very step; re-admitting now would only thrash
+            if len(self._running) >= self.config.max_num_seqs and not self._preempt_batch_for(request, step):
+                return
             if not self._try_admit(request, step):
                 return  # strict head-of-line: later requests do not overtake
 
@@ -229,7 +244,10 @@ class Scheduler:
     def _pick_victim(self, step: _Step) -> Request:
         """Lowest priority (highest value), then newest, among running requests not scheduled yet."""
         candidates = [r for r in self._running if r.request_id not in step.scheduled_ids]
-        return max(candidates, key=lambda r: (r.priority, r.arrival_time, self._arrival_seq[r.request_id]))
+        return max(candidates, key=self._victim_key)
+
+    def _victim_key(self, request: Request) -> tuple:
+        return request.priority, request.arrival_time, self._arrival_seq[request.request_id]
 
     def _preempt(self, request: Request, step: _Step) -> None:
         self._running.remove(request)
@@ -244,11 +262,28 @@ class Scheduler:
         step.output.preempted.append(request)
         self._enqueue_waiting(request)
 
-    def _try_admit(self, request: Request, step: _Step) -> bool:
-        computed = None if self.kv.is_swapped(request) else self.kv.get_computed_blocks(request)
-        num_needed = self.kv.num_blocks_needed(request, self._projected_num_tokens(request), computed)
-        if not self.kv.can_fit(num_needed):
+    def _preempt_batch_for(self, request: Request, step: _Step) -> bool:
+        """Preempt the newest batch-class request not scheduled this step to make room for an interactive one
+        (with hold_batch); False when there is none to preempt."""
+        if not self.config.hold_batch or request.priority >= Priority.BATCH:
             return False
+        if step.output.swap_in:
+            return False  # a victim's swap-out would run before that swap-in and could take its freed host slots
+        candidates = [r for r in self._running
+                      if r.priority >= Priority.BATCH and r.request_id not in step.scheduled_ids]
+        if not candidates:
+            return False
+        self._preempt(max(candidates, key=self._victim_key), step)
+        return True
+
+    def _try_admit(self, request: Request, step: _Step) -> bool:
+        while True:
+            computed = None if self.kv.is_swapped(request) else self.kv.get_computed_blocks(request)
+            num_needed = self.kv.num_blocks_needed(request, self._projected_num_tokens(request), computed)
+            if self.kv.can_fit(num_needed):
+                break
+            if not self._preempt_batch_for(request, step):
+                return False
         if computed is None:
             swap_copies = self.kv.swap_in(request)
             if swap_copies is None:
@@ -268,6 +303,30 @@ class Scheduler:
         return True
 
     # ---- helpers -------------------------------------------------------------------------------
+    def _hold_batch_this_step(self) -> bool:
+        """Whether batch-class requests sit out the coming step: an interactive request waits for or is in its
+        prefill, batch work exists, and fewer than hold_batch_max_steps steps in a row were held already."""
+        if not (self.config.hold_batch and self._batch_work_exists() and self._interactive_prefill_pending()):
+            self._held_in_a_row = 0
+            return False
+        if self._held_in_a_row >= self.config.hold_batch_max_steps:
+            self._held_in_a_row = 0  # the starvation cap: this step runs batch too
+            return False
+        self._held_in_a_row += 1
+        self.num_held_steps += 1
+        return True
+
+    def _batch_work_exists(self) -> bool:
+        # The waiting list is sorted by class first: its last entry is of the lowest class waiting.
+        return (bool(self._waiting) and self._waiting[-1].priority >= Priority.BATCH) or any(
+            r.priority >= Priority.BATCH for r in self._running)
+
+    def _interactive_prefill_pending(self) -> bool:
+        if self._waiting and self._waiting[0].priority < Priority.BATCH:
+            return True
+        return any(r.priority < Priority.BATCH and (r.num_uncomputed_tokens > 1 or not r.output_token_ids)
+                   for r in self._running)
+
     def _num_waiting_before(self, priority: int) -> int:
         """Waiting requests of classes served before `priority` (the waiting list is sorted by class first)."""
         count = 0

@@ -42,6 +42,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="bound the sequences per step so that a step (each sequence's inter-token time) stays "
                              "under this, batch-class sequences waiting first: auto = 50 on cuda, 40 on cpu (the "
                              "tiny model); off or 0 = run up to --max-num-seqs")
+    worker.add_argument("--no-hold-batch", action="store_true",
+                        help="let batch-class sequences run beside interactive prefills (default: they wait while "
+                             "an interactive request waits for or is in its prefill, and are preempted first)")
+    worker.add_argument("--hold-batch-max-steps", type=int, default=8,
+                        help="at most this many steps in a row hold batch-class sequences back; then one step runs "
+                             "them too (a flood of interactive prefills slows the batch tier, it does not stop it)")
     worker.add_argument("--no-prefix-caching", action="store_true")
     worker.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
     worker.add_argument("--num-host-kv-blocks", type=int, default=0, help="host blocks for swap preemption")
@@ -179,6 +185,8 @@ def run_worker(args: argparse.Namespace) -> int:
         target_tpot_s = resolve_target_tpot_s(args.target_tpot_ms, args.device)
     except ValueError as err:
         raise SystemExit(f"flotilla worker: {err}") from None
+    if args.hold_batch_max_steps < 1:
+        raise SystemExit(f"flotilla worker: --hold-batch-max-steps must be >= 1, got {args.hold_batch_max_steps}")
     engine = EngineConfig(
         model_dir=args.model_dir or shared[0][1],
         device=args.device,
@@ -192,6 +200,8 @@ def run_worker(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         target_tpot_s=target_tpot_s,
+        hold_batch=not args.no_hold_batch,
+        hold_batch_max_steps=args.hold_batch_max_steps,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         preemption_mode=args.preemption_mode,
