@@ -9,11 +9,11 @@ within the long-context pool's tier, a short one in the default pool's before an
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from flotilla.router.context_pools import ContextThresholds, PoolRequest, pool_tiers
+from flotilla.router.context_pools import LONG_CONTEXT_POOL, ContextThresholds, PoolRequest, fits, pool_tiers
 
 
 class WorkerLoad(NamedTuple):  # a tuple, not a frozen dataclass: built for every candidate of every placement
@@ -78,6 +78,50 @@ def choose_worker(loads: Iterable[WorkerLoad], num_prompt_tokens: int, limits: P
         if candidates:
             return min(candidates, key=headroom_key).worker_id
     return None
+
+
+def choose_worker_in_order(ordered: Callable[[str], Iterable[WorkerLoad]], num_prompt_tokens: int,
+                           limits: PlacementLimits, idle_tenant: bool = False, batch: bool = False,
+                           pools: PoolRequest = PoolRequest()) -> str | None:
+    """choose_worker's answer, from the candidates of each pool already in headroom_key order (`ordered(pool)`,
+    pool "" or LONG_CONTEXT_POOL; the router's load index): it reads each pool from the front until a worker has
+    room, instead of every candidate. The same tiers as pool_tiers, tried in the same order."""
+
+    def first_with_room(loads: Iterable[WorkerLoad]) -> str | None:
+        for load in loads:
+            if can_admit(load, num_prompt_tokens, limits, idle_tenant, batch):
+                return load.worker_id
+            if 0 < load.num_queued_tokens and load.num_queued_tokens + num_prompt_tokens > limits.max_queued_tokens_per_worker:
+                return None  # over the token cap: so is every later one (as many queued tokens or more)
+        return None
+
+    if pools.long_context:
+        long_pool = iter(ordered(LONG_CONTEXT_POOL))
+        first = next(long_pool, None)
+        if first is not None:
+            return first_with_room(_chain(first, long_pool))
+        seen_fitting = False
+
+        def fitting() -> Iterator[WorkerLoad]:
+            nonlocal seen_fitting
+            for load in ordered(""):
+                if fits(load, num_prompt_tokens):
+                    seen_fitting = True
+                    yield load
+
+        chosen = first_with_room(fitting())
+        if chosen is not None or seen_fitting:
+            return chosen
+        return first_with_room(ordered(""))  # none fits: the default pool all the same (pool_tiers)
+    chosen = first_with_room(ordered(""))
+    if chosen is not None or pools.long_waiting:
+        return chosen
+    return first_with_room(load for load in ordered(LONG_CONTEXT_POOL) if load.num_long_requests == 0)
+
+
+def _chain(first: WorkerLoad, rest: Iterator[WorkerLoad]) -> Iterator[WorkerLoad]:
+    yield first
+    yield from rest
 
 
 # ---- disaggregation: prefix affinity with a load cap -----------------------------------------------------
