@@ -8,10 +8,12 @@ Two measurements, one run:
   (closed with a StreamReport) as soon as its lease arrives.
 
 The fake workers are registry entries with a load report and no process (nothing dials them: a lease is only a
-decision). Their heartbeats do not expire during the run (a real fleet of 1,000 workers heartbeating every
+decision). With --shared-prefix every worker's report lists the prompt's first two blocks in its prefix cache (a
+system prompt all of them hold), so the planner's prefix affinity has 1,000 holders to choose from. Their heartbeats
+do not expire during the run (a real fleet of 1,000 workers heartbeating every
 250 ms would cost the router 4,000 Heartbeat calls a second on top; not measured here).
 
-    .venv/bin/python loadtest/bench_placement.py [--workers 1000] [--models 1] [--rounds 3]
+    .venv/bin/python loadtest/bench_placement.py [--workers 1000] [--models 1] [--rounds 3] [--shared-prefix]
 """
 
 from __future__ import annotations
@@ -43,13 +45,15 @@ class _NoChannel:
         return None
 
 
-def build_router(num_workers: int, num_models: int):
+def build_router(num_workers: int, num_models: int, shared_prefix: bool = False):
+    from flotilla.engine.block_hash import hash_full_blocks
     from flotilla.router.admission import Admission
     from flotilla.router.placement import PlacementLimits
     from flotilla.router.registry import WorkerRegistry
     from flotilla.router.service import RouterService
     from flotilla.rpc.leases import LeaseSigner
 
+    cached = hash_full_blocks(PROMPT[:32], 16, "") if shared_prefix else []
     registry = WorkerRegistry(heartbeat_timeout_s=1e9, evict_after_s=1e9, channel_factory=lambda address: _NoChannel())
     for i in range(num_workers):
         model = f"model-{i % num_models}"
@@ -57,7 +61,8 @@ def build_router(num_workers: int, num_models: int):
                               model=pb.ModelInfo(name=model, version="v1", max_model_len=4096))
         registry.register(info)
         registry.heartbeat(info.worker_id, pb.LoadReport(num_free_blocks=4096, num_total_blocks=4096, block_size=16,
-                                                         num_running=i % 7, num_queued_tokens=(i % 13) * 50))
+                                                         num_running=i % 7, num_queued_tokens=(i % 13) * 50,
+                                                         cached_block_hashes=cached))
     limits = PlacementLimits(max_requests_per_worker=10**6, max_queued_tokens_per_worker=10**9)
     admission = Admission(registry, {}, [f"model-{m}" for m in range(num_models)], limits, max_queue_depth=10**6,
                           max_queue_wait_s=30.0)
@@ -85,8 +90,9 @@ class _Context:
         return ()
 
 
-async def decision_latencies(num_workers: int, num_models: int, num_requests: int) -> list[float]:
-    service = build_router(num_workers, num_models)
+async def decision_latencies(num_workers: int, num_models: int, num_requests: int,
+                             shared_prefix: bool = False) -> list[float]:
+    service = build_router(num_workers, num_models, shared_prefix)
     latencies = []
     for i in range(num_requests):
         context = _Context()
@@ -100,11 +106,11 @@ async def decision_latencies(num_workers: int, num_models: int, num_requests: in
     return latencies
 
 
-async def serve(port_file: str, num_workers: int, num_models: int) -> None:
+async def serve(port_file: str, num_workers: int, num_models: int, shared_prefix: bool = False) -> None:
     from flotilla.api.router.v1 import router_pb2_grpc
     from flotilla.rpc.options import aio_server
 
-    service = build_router(num_workers, num_models)
+    service = build_router(num_workers, num_models, shared_prefix)
     server = aio_server()
     router_pb2_grpc.add_RouterServiceServicer_to_server(service, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -154,18 +160,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decisions", type=int, default=2000, help="in-process decisions per round")
     p.add_argument("--concurrency", type=int, default=64, help="Acquire streams in flight over gRPC")
     p.add_argument("--duration-s", type=float, default=5.0, help="gRPC run length per round")
+    p.add_argument("--shared-prefix", action="store_true", help="every worker caches the prompt's first two blocks")
     p.add_argument("--serve", metavar="PORT_FILE", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve:
-        asyncio.run(serve(args.serve, args.workers, args.models))
+        asyncio.run(serve(args.serve, args.workers, args.models, args.shared_prefix))
         return 0
     line: dict = {"workers": args.workers, "models": args.models, "concurrency": args.concurrency,
+                  "shared_prefix": args.shared_prefix,
                   "loadavg_1m_start": os.getloadavg()[0]}
     p50s, p99s, rates, rtt99s = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="bench-placement-") as state:
         port_file = os.path.join(state, "port")
         server = subprocess.Popen([sys.executable, __file__, "--serve", port_file, "--workers", str(args.workers),
-                                   "--models", str(args.models)])
+                                   "--models", str(args.models), *(["--shared-prefix"] if args.shared_prefix else [])])
         try:
             while not os.path.exists(port_file) or not Path(port_file).read_text():
                 if server.poll() is not None:
@@ -173,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.05)
             address = f"127.0.0.1:{Path(port_file).read_text()}"
             for round_index in range(args.rounds):
-                latencies = asyncio.run(decision_latencies(args.workers, args.models, args.decisions))
+                latencies = asyncio.run(decision_latencies(args.workers, args.models, args.decisions,
+                                                           args.shared_prefix))
                 rate, round_trips = asyncio.run(acquire_rate(address, args.models, args.concurrency, args.duration_s))
                 p50s.append(_ms(latencies, 0.50))
                 p99s.append(_ms(latencies, 0.99))

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.engine.block_hash import hash_full_blocks
 from flotilla.router.admission import Admission
 from flotilla.router.context_pools import LONG_CONTEXT_POOL, ContextThresholds, PoolRequest
+from flotilla.router import disagg_planner
 from flotilla.router.disagg_planner import DEFAULT_BLOCK_SIZE, DisaggPlanner
 from flotilla.router.load_index import DECODE_ORDERS, PREFILL_ORDERS, GroupKey
 from flotilla.router.placement import (AffinityLimits, Candidate, PlacementLimits, can_admit, choose_decode_worker,
@@ -106,7 +109,9 @@ def _random_report(rng: random.Random, totals: dict[str, int], worker_id: str, h
                          cached_block_hashes=rng.sample(hashes, rng.randint(0, len(hashes))))
 
 
-def test_load_index_and_decisions_agree_with_a_brute_force_scan():
+@pytest.mark.parametrize("scan_holders_up_to", [0, 1000], ids=["walk-the-order", "read-the-holders"])
+def test_load_index_and_decisions_agree_with_a_brute_force_scan(monkeypatch, scan_holders_up_to):
+    monkeypatch.setattr(disagg_planner, "SCAN_HOLDERS_UP_TO", scan_holders_up_to)  # both ways to the prefix choice
     rng = random.Random(20261201)
     clock = _Clock()
     registry = WorkerRegistry(heartbeat_timeout_s=1.0, evict_after_s=1e9, clock=clock,
@@ -149,8 +154,8 @@ def test_load_index_and_decisions_agree_with_a_brute_force_scan():
             if not any(ref.version == version for ref in registry.model_versions()):
                 continue  # no worker of that version registered: admission answers MODEL_NOT_FOUND
             expected = _reference_choice(registry, admission, version, len(prompt), tenant, batch, avoid)
-            placement = admission._try_place(f"m@{version}", len(prompt), tenant, avoid,
-                                             priority=pb.PRIORITY_CLASS_BATCH if batch else pb.PRIORITY_CLASS_INTERACTIVE)
+            priority = pb.PRIORITY_CLASS_BATCH if batch else pb.PRIORITY_CLASS_INTERACTIVE
+            placement = admission._try_place(f"m@{version}", len(prompt), tenant, avoid, priority=priority)
             assert (placement.worker.worker_id if placement else None) == expected, step
             if placement is not None:
                 num_placed += 1
@@ -169,7 +174,9 @@ def test_load_index_and_decisions_agree_with_a_brute_force_scan():
         assert admission.throughput._rates == reference_meter._rates, step
         _check_orders(registry)
     # The sequence exercised what it checks (fixed seed: these hold for this sequence).
-    assert num_placed > 100 and num_moved > 5 and num_prefill > 5, (num_placed, num_moved, num_prefill)
+    hits = planner.num_prefix_hit_placements
+    assert num_placed > 100 and num_moved > 5 and num_prefill > 5 and hits > 20, (num_placed, num_moved, num_prefill,
+                                                                                   hits)
 
 
 def test_a_replaced_entry_leaves_the_index_and_its_release_does_not_come_back():

@@ -347,9 +347,8 @@ class Admission:
                 self.shared.ensure_loading(resolution.name, resolution.version, spread=True)
             return None
         worker = self._registry.get(chosen)
-        self._registry.record_placement(worker, num_prompt_tokens)
         # Released (with the tenant, the long flag and the model) by the router service when the relay ends.
-        self._registry.assign(worker, tenant, pools.long_context, resolution.name)
+        self._registry.place(worker, num_prompt_tokens, tenant, pools.long_context, resolution.name)
         self.shared.placed(worker)
         return Placement(worker, resolution, pools.long_context)
 

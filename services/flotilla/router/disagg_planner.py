@@ -14,11 +14,12 @@ from typing import NamedTuple
 from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.engine.block_hash import hash_full_blocks
 from flotilla.router.context_pools import LONG_CONTEXT_POOL
-from flotilla.router.load_index import GroupKey
+from flotilla.router.load_index import DECODE_ORDERS, PREFILL_ORDERS, GroupKey
 from flotilla.router.placement import AffinityLimits, PlacementLimits, WorkerLoad, can_admit
 from flotilla.router.registry import WorkerEntry, WorkerRegistry
 
 DEFAULT_BLOCK_SIZE = 16
+SCAN_HOLDERS_UP_TO = 32  # a block's holders read one by one up to this many; more: walk the load order instead
 
 
 class Plan(NamedTuple):
@@ -62,7 +63,9 @@ class DisaggPlanner:
             return Plan(chosen, None)
         prompt = list(request.prompt_token_ids)
         block_size = chosen.report.block_size or DEFAULT_BLOCK_SIZE
-        hashes = hash_full_blocks(prompt, block_size, request.cache_salt)
+        # No worker of the version reports a cached block: no prefix can hit, so no need to hash the prompt.
+        hashes = (hash_full_blocks(prompt, block_size, request.cache_salt)
+                  if registry.loads.has_cached(group.name, group.version) else [])
         decode_entry = self._pick_decode(chosen, group, is_peer, hashes, len(prompt))
         num_cached = registry.loads.num_cached(decode_entry.worker_id, hashes)
         if num_cached:
@@ -90,7 +93,7 @@ class DisaggPlanner:
     def _pick_decode(self, chosen: WorkerEntry, group: GroupKey, is_peer, hashes: list[bytes],
                      num_tokens: int) -> WorkerEntry:
         """choose_decode_worker over the peers with room (and `chosen`): the least-loaded one is the front of the
-        requests order; one with a cached prefix within the load margin is among the holders of the first block."""
+        requests order; one with a cached prefix within the load margin is found from the prefix index."""
 
         def is_candidate(entry: WorkerEntry) -> bool:
             if not is_peer(entry):
@@ -100,9 +103,8 @@ class DisaggPlanner:
         least = next(self._walk(group, "requests", is_candidate), None)
         if least is None:
             return chosen
-        best = self._with_prefix(group, hashes, is_candidate, lambda load: load.num_requests,
-                                 least[1].num_requests + self.affinity.max_decode_load_margin,
-                                 lambda load: (load.num_requests, -load.num_free_blocks, load.worker_id))
+        best = self._with_prefix(group, "requests", hashes, is_candidate, lambda load: load.num_requests,
+                                 least[1].num_requests + self.affinity.max_decode_load_margin)
         return best if best is not None else least[0]
 
     def _pick_prefill(self, group: GroupKey, hashes: list[bytes]) -> WorkerEntry | None:
@@ -111,27 +113,40 @@ class DisaggPlanner:
         least = next(self._walk(group, "queued", placeable), None)
         if least is None:
             return None
-        best = self._with_prefix(group, hashes, placeable, lambda load: load.num_queued_tokens,
-                                 least[1].num_queued_tokens + self.affinity.max_prefill_token_margin,
-                                 lambda load: (load.num_queued_tokens, load.worker_id))
+        best = self._with_prefix(group, "queued", hashes, placeable, lambda load: load.num_queued_tokens,
+                                 least[1].num_queued_tokens + self.affinity.max_prefill_token_margin)
         return best if best is not None else least[0]
 
-    def _with_prefix(self, group: GroupKey, hashes: list[bytes], accept, load_of_interest, limit: int,
-                     tie_key) -> WorkerEntry | None:
-        """The candidate within the load cap holding the longest cached prefix (ties: `tie_key`), None when no
-        candidate within the cap holds the prompt's first block."""
-        if not hashes:
-            return None
+    def _with_prefix(self, group: GroupKey, order: str, hashes: list[bytes], accept, load_of_interest,
+                     limit: int) -> WorkerEntry | None:
+        """The accepted worker within the load cap (`load_of_interest` <= `limit`) holding the longest cached prefix
+        of the prompt, ties broken by `order` (whose key is the choice's tie-break); None when none holds its first
+        block. Deepest block first: the first depth with such a worker is the longest prefix. A depth's holders
+        are read directly when few; when many (a system prompt every worker caches), the order is walked from the
+        front until the first holder, which is then the least loaded of them."""
         loads = self._registry.loads
-        best, best_key = None, None
-        for worker_id in loads.holders(group.name, group.version, hashes[0]):
-            if loads.group_of(worker_id) != group:
+        key_of = (PREFILL_ORDERS if group.prefill else DECODE_ORDERS)[order]
+        for depth in range(len(hashes), 0, -1):
+            holders = loads.holders(group.name, group.version, hashes[depth - 1])
+            if not holders:
                 continue
-            load = loads.load(worker_id)
-            entry = self._registry.get(worker_id)
-            if load_of_interest(load) > limit or not accept(entry):
+            prefix = hashes[:depth]
+            if len(holders) <= SCAN_HOLDERS_UP_TO:
+                best, best_key = None, None
+                for worker_id in holders:
+                    load = loads.load(worker_id)
+                    if (loads.group_of(worker_id) != group or load_of_interest(load) > limit
+                            or loads.num_cached(worker_id, prefix) < depth):
+                        continue
+                    entry = self._registry.get(worker_id)
+                    if accept(entry) and (best_key is None or key_of(load) < best_key):
+                        best, best_key = entry, key_of(load)
+                if best is not None:
+                    return best
                 continue
-            key = (-loads.num_cached(worker_id, hashes), *tie_key(load))
-            if best_key is None or key < best_key:
-                best, best_key = entry, key
-        return best
+            for entry, load in loads.walk(group, order):
+                if load_of_interest(load) > limit:
+                    break  # in this order every later one is above the cap too
+                if load.worker_id in holders and loads.num_cached(load.worker_id, prefix) == depth and accept(entry):
+                    return entry
+        return None

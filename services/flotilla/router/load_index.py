@@ -137,6 +137,10 @@ class LoadIndex:
         if not by_hash:
             del self._cached[(group.name, group.version)]
 
+    def has_cached(self, name: str, version: str) -> bool:
+        """Some worker of the version reports a cached block."""
+        return (name, version) in self._cached
+
     def holders(self, name: str, version: str, block_hash: bytes) -> set[str]:
         """Workers of the version whose prefix cache holds this block (do not modify the set)."""
         return self._cached.get((name, version), {}).get(block_hash, _EMPTY)

@@ -91,7 +91,8 @@ def choose_worker_in_order(ordered: Callable[[str], Iterable[WorkerLoad]], num_p
         for load in loads:
             if can_admit(load, num_prompt_tokens, limits, idle_tenant, batch):
                 return load.worker_id
-            if 0 < load.num_queued_tokens and load.num_queued_tokens + num_prompt_tokens > limits.max_queued_tokens_per_worker:
+            queued = load.num_queued_tokens
+            if 0 < queued and queued + num_prompt_tokens > limits.max_queued_tokens_per_worker:
                 return None  # over the token cap: so is every later one (as many queued tokens or more)
         return None
 

@@ -252,7 +252,7 @@ class WorkerRegistry:
         """Put a registered token worker's current load in the load index; its group, or None."""
         if entry.is_shared or entry.is_fixed_batch or self._workers.get(entry.worker_id) is not entry:
             return None  # not indexed, or a replaced entry whose streams are ending
-        group = self.group_key(entry)
+        group = self.loads.group_of(entry.worker_id) or self.group_key(entry)  # register() removed a replaced one
         self.loads.put(group, entry, self.load_of(entry))
         return group
 
@@ -387,10 +387,17 @@ class WorkerRegistry:
         """Token workers of the model (any version, state and health)."""
         return list(self._token_by_name.get(name, {}).values())
 
-    def record_placement(self, entry: WorkerEntry, num_prompt_tokens: int) -> None:
+    def record_placement(self, entry: WorkerEntry, num_prompt_tokens: int, refresh: bool = True) -> None:
         entry.num_placed_requests += 1
         entry.num_placed_tokens += num_prompt_tokens
-        self._refresh(entry)
+        if refresh:
+            self._refresh(entry)
+
+    def place(self, entry: WorkerEntry, num_prompt_tokens: int, tenant: str = "", long_context: bool = False,
+              model: str = "") -> None:
+        """record_placement and assign at once (admission's placement): one update of the load index."""
+        self.record_placement(entry, num_prompt_tokens, refresh=False)
+        self.assign(entry, tenant, long_context, model)
 
     def move_placement(self, old: WorkerEntry, new: WorkerEntry, num_tokens: int, long_context: bool) -> None:
         """A placement admission counted on `old` goes to `new` instead (the planner's prefix affinity)."""
