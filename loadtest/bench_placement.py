@@ -2,7 +2,8 @@
 
 Two measurements, one run:
 - decision latency: the router's own Acquire handler (admission, the disaggregation planner, signing the lease)
-  called in-process one request at a time, from the call to the Lease event; p50/p99;
+  called in-process one request at a time, from the call to the Lease event; p50/p99, wall clock and the thread's
+  CPU time (on a shared machine the wall clock's tail is mostly other processes' time slices);
 - Acquire/s over gRPC: a router process (this file with --serve) holding the fake workers, and this process
   opening Acquire streams on one AcquireSession (as a gateway does) with --concurrency in flight, each released
   (closed with a StreamReport) as soon as its lease arrives.
@@ -91,19 +92,21 @@ class _Context:
 
 
 async def decision_latencies(num_workers: int, num_models: int, num_requests: int,
-                             shared_prefix: bool = False) -> list[float]:
+                             shared_prefix: bool = False) -> tuple[list[float], list[float]]:
+    """(wall-clock latencies, CPU times) of one decision each."""
     service = build_router(num_workers, num_models, shared_prefix)
-    latencies = []
+    latencies, cpu_times = [], []
     for i in range(num_requests):
         context = _Context()
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         task = asyncio.ensure_future(service.Acquire(acquire_request(i, num_models), context))
         answer = await context.answer
         latencies.append(time.perf_counter() - started)
+        cpu_times.append(time.thread_time() - cpu_started)
         assert answer.HasField("lease"), answer
         task.cancel()  # the release, as a gateway's close
         await asyncio.gather(task, return_exceptions=True)
-    return latencies
+    return latencies, cpu_times
 
 
 async def serve(port_file: str, num_workers: int, num_models: int, shared_prefix: bool = False) -> None:
@@ -169,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     line: dict = {"workers": args.workers, "models": args.models, "concurrency": args.concurrency,
                   "shared_prefix": args.shared_prefix,
                   "loadavg_1m_start": os.getloadavg()[0]}
-    p50s, p99s, rates, rtt99s = [], [], [], []
+    p50s, p99s, cpu_p50s, cpu_p99s, rates, rtt99s = [], [], [], [], [], []
     with tempfile.TemporaryDirectory(prefix="bench-placement-") as state:
         port_file = os.path.join(state, "port")
         server = subprocess.Popen([sys.executable, __file__, "--serve", port_file, "--workers", str(args.workers),
@@ -180,22 +183,30 @@ def main(argv: list[str] | None = None) -> int:
                     raise SystemExit("the router process exited")
                 time.sleep(0.05)
             address = f"127.0.0.1:{Path(port_file).read_text()}"
-            for round_index in range(args.rounds):
-                latencies = asyncio.run(decision_latencies(args.workers, args.models, args.decisions,
-                                                           args.shared_prefix))
-                rate, round_trips = asyncio.run(acquire_rate(address, args.models, args.concurrency, args.duration_s))
-                p50s.append(_ms(latencies, 0.50))
-                p99s.append(_ms(latencies, 0.99))
-                rates.append(round(rate))
-                rtt99s.append(_ms(round_trips, 0.99))
-                print(f"round {round_index + 1}: decision p50 {p50s[-1]} ms p99 {p99s[-1]} ms; "
-                      f"{rates[-1]} Acquire/s over gRPC (round trip p99 {rtt99s[-1]} ms)")
+
+            async def rounds() -> None:  # one event loop for all (grpc.aio's poller outlives a closed one noisily)
+                for round_index in range(args.rounds):
+                    latencies, cpu_times = await decision_latencies(args.workers, args.models, args.decisions,
+                                                                    args.shared_prefix)
+                    rate, round_trips = await acquire_rate(address, args.models, args.concurrency, args.duration_s)
+                    p50s.append(_ms(latencies, 0.50))
+                    p99s.append(_ms(latencies, 0.99))
+                    cpu_p50s.append(_ms(cpu_times, 0.50))
+                    cpu_p99s.append(_ms(cpu_times, 0.99))
+                    rates.append(round(rate))
+                    rtt99s.append(_ms(round_trips, 0.99))
+                    print(f"round {round_index + 1}: decision p50 {p50s[-1]} ms p99 {p99s[-1]} ms (CPU p50 "
+                          f"{cpu_p50s[-1]} ms p99 {cpu_p99s[-1]} ms); {rates[-1]} Acquire/s over gRPC (round trip "
+                          f"p99 {rtt99s[-1]} ms)")
+
+            asyncio.run(rounds())
         finally:
             server.terminate()
             server.wait(10)
     line.update(decision_p50_ms=statistics.median(p50s), decision_p99_ms=statistics.median(p99s),
+                decision_cpu_p50_ms=statistics.median(cpu_p50s), decision_cpu_p99_ms=statistics.median(cpu_p99s),
                 acquire_per_s=statistics.median(rates), acquire_round_trip_p99_ms=statistics.median(rtt99s),
-                decision_p99_ms_rounds=p99s, acquire_per_s_rounds=rates, loadavg_1m_end=os.getloadavg()[0])
+                decision_p99_ms_rounds=p99s, decision_cpu_p99_ms_rounds=cpu_p99s, acquire_per_s_rounds=rates, loadavg_1m_end=os.getloadavg()[0])
     print(json.dumps(line))
     return 0
 
