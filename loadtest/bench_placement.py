@@ -6,7 +6,9 @@ Two measurements, one run:
   CPU time (on a shared machine the wall clock's tail is mostly other processes' time slices);
 - Acquire/s over gRPC: a router process (this file with --serve) holding the fake workers, and this process
   opening Acquire streams on one AcquireSession (as a gateway does) with --concurrency in flight, each released
-  (closed with a StreamReport) as soon as its lease arrives.
+  (closed with a StreamReport) as soon as its lease arrives; and the router process's CPU time per Acquire (its
+  share of a core is what the rate depends on when other processes load the machine: 1 s / that is its rate on a
+  core of its own).
 
 The fake workers are registry entries with a load report and no process (nothing dials them: a lease is only a
 decision). With --shared-prefix every worker's report lists the prompt's first two blocks in its prefix cache (a
@@ -151,6 +153,12 @@ async def acquire_rate(address: str, num_models: int, concurrency: int, duration
     return len(round_trips) / elapsed, round_trips
 
 
+def _process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _ms(values: list[float], q: float) -> float:
     return round(statistics.quantiles(values, n=1000)[int(q * 1000) - 1] * 1000, 3)
 
@@ -172,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     line: dict = {"workers": args.workers, "models": args.models, "concurrency": args.concurrency,
                   "shared_prefix": args.shared_prefix,
                   "loadavg_1m_start": os.getloadavg()[0]}
-    p50s, p99s, cpu_p50s, cpu_p99s, rates, rtt99s = [], [], [], [], [], []
+    p50s, p99s, cpu_p50s, cpu_p99s, rates, rtt99s, router_cpus = [], [], [], [], [], [], []
     with tempfile.TemporaryDirectory(prefix="bench-placement-") as state:
         port_file = os.path.join(state, "port")
         server = subprocess.Popen([sys.executable, __file__, "--serve", port_file, "--workers", str(args.workers),
@@ -188,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
                 for round_index in range(args.rounds):
                     latencies, cpu_times = await decision_latencies(args.workers, args.models, args.decisions,
                                                                     args.shared_prefix)
+                    cpu_before = _process_cpu_s(server.pid)
                     rate, round_trips = await acquire_rate(address, args.models, args.concurrency, args.duration_s)
+                    router_cpus.append(round((_process_cpu_s(server.pid) - cpu_before) / len(round_trips) * 1e6))
                     p50s.append(_ms(latencies, 0.50))
                     p99s.append(_ms(latencies, 0.99))
                     cpu_p50s.append(_ms(cpu_times, 0.50))
@@ -197,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                     rtt99s.append(_ms(round_trips, 0.99))
                     print(f"round {round_index + 1}: decision p50 {p50s[-1]} ms p99 {p99s[-1]} ms (CPU p50 "
                           f"{cpu_p50s[-1]} ms p99 {cpu_p99s[-1]} ms); {rates[-1]} Acquire/s over gRPC (round trip "
-                          f"p99 {rtt99s[-1]} ms)")
+                          f"p99 {rtt99s[-1]} ms; router CPU {router_cpus[-1]} us per Acquire)")
 
             asyncio.run(rounds())
         finally:
@@ -206,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     line.update(decision_p50_ms=statistics.median(p50s), decision_p99_ms=statistics.median(p99s),
                 decision_cpu_p50_ms=statistics.median(cpu_p50s), decision_cpu_p99_ms=statistics.median(cpu_p99s),
                 acquire_per_s=statistics.median(rates), acquire_round_trip_p99_ms=statistics.median(rtt99s),
+                router_cpu_us_per_acquire=statistics.median(router_cpus),
                 decision_p99_ms_rounds=p99s, decision_cpu_p99_ms_rounds=cpu_p99s, acquire_per_s_rounds=rates, loadavg_1m_end=os.getloadavg()[0])
     print(json.dumps(line))
     return 0

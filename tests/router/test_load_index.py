@@ -18,8 +18,9 @@ from flotilla.router.context_pools import LONG_CONTEXT_POOL, ContextThresholds, 
 from flotilla.router import disagg_planner
 from flotilla.router.disagg_planner import DEFAULT_BLOCK_SIZE, DisaggPlanner
 from flotilla.router.load_index import DECODE_ORDERS, PREFILL_ORDERS, GroupKey
-from flotilla.router.placement import (AffinityLimits, Candidate, PlacementLimits, can_admit, choose_decode_worker,
-                                       choose_prefill_worker, choose_worker)
+from flotilla.router.placement import (AffinityLimits, Candidate, PlacementLimits, WorkerLoad, can_admit,
+                                       choose_decode_worker, choose_prefill_worker, choose_worker,
+                                       choose_worker_in_order)
 from flotilla.router.registry import WorkerRegistry
 from flotilla.router.wait_estimate import ThroughputMeter
 
@@ -192,3 +193,23 @@ def test_a_replaced_entry_leaves_the_index_and_its_release_does_not_come_back():
     assert [entry for entry, _ in registry.loads.walk(GroupKey("m", "v2", "", False), "headroom")] == [new]
     registry.deregister("w")
     assert registry.loads.is_empty(GroupKey("m", "v2", "", False)) and registry.loads.load("w") is None
+
+
+def test_a_saturated_pool_is_not_walked():
+    """Every worker at the request cap: the answer (none) comes from the front of the requests order, not a walk."""
+    limits = PlacementLimits(max_queued_tokens_per_worker=10_000, max_requests_per_worker=2)
+    loads = [WorkerLoad(f"w{i}", num_queued_tokens=i, num_requests=2, num_free_blocks=8, num_total_blocks=8)
+             for i in range(100)]
+    read = []
+
+    def ordered(pool: str):
+        for load in loads if pool == "" else []:
+            read.append(load.worker_id)
+            yield load
+
+    def fewest(pool: str):
+        return min((load.num_requests for load in loads), default=None) if pool == "" else None
+
+    assert choose_worker_in_order(ordered, 10, limits, fewest_requests=fewest) is None and read == []
+    assert choose_worker_in_order(ordered, 10, limits) is None and len(read) == 100  # without the bound: all of them
+    assert choose_worker(loads, 10, limits) is None

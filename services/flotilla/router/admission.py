@@ -341,7 +341,8 @@ class Admission:
                             self._long_waiting(resolution.name))
         chosen = choose_worker_in_order(lambda pool: candidates.in_order(pool, skip), num_prompt_tokens,
                                         self._limits, self._is_idle(resolution.name, tenant),
-                                        batch=priority == pb.PRIORITY_CLASS_BATCH, pools=pools)
+                                        batch=priority == pb.PRIORITY_CLASS_BATCH, pools=pools,
+                                        fewest_requests=lambda pool: candidates.fewest_requests(pool, skip))
         if chosen is None:
             if self.shared.is_shared_model(resolution.name):  # full where it is loaded: one more, if a slot is free
                 self.shared.ensure_loading(resolution.name, resolution.version, spread=True)
@@ -383,14 +384,23 @@ class _Candidates:
         self._name, self._version = name, version
         self._shared = [registry.load_of(e) for e in shared]
 
-    def in_order(self, pool: str, skip: frozenset[str]) -> Iterator[WorkerLoad]:
+    def in_order(self, pool: str, skip: frozenset[str], order: str = "headroom") -> Iterator[WorkerLoad]:
         registry = self._registry
-        indexed = (load for entry, load in registry.loads.walk(GroupKey(self._name, self._version, pool, False),
-                                                                "headroom")
+        indexed = (load for entry, load in registry.loads.walk(GroupKey(self._name, self._version, pool, False), order)
                    if load.worker_id not in skip and registry.is_placeable(entry))
+        if order != "headroom":
+            return indexed
         shared = sorted((load for load in self._shared if load.pool == pool and load.worker_id not in skip),
                         key=headroom_key)
         return heapq.merge(indexed, shared, key=headroom_key) if shared else indexed
+
+    def fewest_requests(self, pool: str, skip: frozenset[str]) -> int | None:
+        """The fewest requests a candidate of the pool has (None: no candidate): the front of the requests order."""
+        least = next(self.in_order(pool, skip, "requests"), None)
+        counts = [load.num_requests for load in self._shared if load.pool == pool and load.worker_id not in skip]
+        if least is not None:
+            counts.append(least.num_requests)
+        return min(counts, default=None)
 
     def any(self, skip: frozenset[str]) -> bool:
         """Some candidate is not in `skip`."""

@@ -82,12 +82,20 @@ def choose_worker(loads: Iterable[WorkerLoad], num_prompt_tokens: int, limits: P
 
 def choose_worker_in_order(ordered: Callable[[str], Iterable[WorkerLoad]], num_prompt_tokens: int,
                            limits: PlacementLimits, idle_tenant: bool = False, batch: bool = False,
-                           pools: PoolRequest = PoolRequest()) -> str | None:
+                           pools: PoolRequest = PoolRequest(),
+                           fewest_requests: Callable[[str], int | None] | None = None) -> str | None:
     """choose_worker's answer, from the candidates of each pool already in headroom_key order (`ordered(pool)`,
     pool "" or LONG_CONTEXT_POOL; the router's load index): it reads each pool from the front until a worker has
-    room, instead of every candidate. The same tiers as pool_tiers, tried in the same order."""
+    room, instead of every candidate. The same tiers as pool_tiers, tried in the same order. `fewest_requests(pool)`:
+    the fewest requests any candidate of the pool has (None: no candidate), so that a pool whose every worker is at
+    the request cap (a saturated fleet, where dispatch() tries the queue's head on every report) is not walked."""
+    max_requests = limits.max_requests_per_worker + (limits.idle_tenant_extra_slots if idle_tenant else 0)
 
-    def first_with_room(loads: Iterable[WorkerLoad]) -> str | None:
+    def first_with_room(loads: Iterable[WorkerLoad], pool: str) -> str | None:
+        if fewest_requests is not None:
+            fewest = fewest_requests(pool)
+            if fewest is None or fewest >= max_requests:
+                return None  # a bound for the tier's subsets too (the lent workers, those the prompt fits)
         for load in loads:
             if can_admit(load, num_prompt_tokens, limits, idle_tenant, batch):
                 return load.worker_id
@@ -100,7 +108,7 @@ def choose_worker_in_order(ordered: Callable[[str], Iterable[WorkerLoad]], num_p
         long_pool = iter(ordered(LONG_CONTEXT_POOL))
         first = next(long_pool, None)
         if first is not None:
-            return first_with_room(_chain(first, long_pool))
+            return first_with_room(_chain(first, long_pool), LONG_CONTEXT_POOL)
         seen_fitting = False
 
         def fitting() -> Iterator[WorkerLoad]:
@@ -110,14 +118,15 @@ def choose_worker_in_order(ordered: Callable[[str], Iterable[WorkerLoad]], num_p
                     seen_fitting = True
                     yield load
 
-        chosen = first_with_room(fitting())
+        chosen = first_with_room(fitting(), "")
         if chosen is not None or seen_fitting:
             return chosen
-        return first_with_room(ordered(""))  # none fits: the default pool all the same (pool_tiers)
-    chosen = first_with_room(ordered(""))
+        return first_with_room(ordered(""), "")  # none fits: the default pool all the same (pool_tiers)
+    chosen = first_with_room(ordered(""), "")
     if chosen is not None or pools.long_waiting:
         return chosen
-    return first_with_room(load for load in ordered(LONG_CONTEXT_POOL) if load.num_long_requests == 0)
+    return first_with_room((load for load in ordered(LONG_CONTEXT_POOL) if load.num_long_requests == 0),
+                           LONG_CONTEXT_POOL)
 
 
 def _chain(first: WorkerLoad, rest: Iterator[WorkerLoad]) -> Iterator[WorkerLoad]:
