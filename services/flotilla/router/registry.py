@@ -196,7 +196,8 @@ class WorkerRegistry:
         return True
 
     def take_reported(self) -> list[WorkerEntry]:
-        """Workers registered or reporting since the last call, each once (its latest entry): what changed."""
+        """Workers registered or reporting since the last call, each once (its latest entry): what changed. One
+        reader: the router's admission (its throughput meter)."""
         reported, self._reported = list(self._reported.values()), {}
         return reported
 
