@@ -222,7 +222,7 @@ class Admission:
         # queue, never past a class served before its own.
         if not (queues.has_waiters_before(ticket.priority) if idle else queues.has_waiters_ahead(ticket.priority)):
             placement = self._try_place(requested, num_prompt_tokens, ticket.tenant, avoid, ticket.affinity_key,
-                                        ticket.priority)
+                                        ticket.priority, resolution)
             if placement is not None:
                 return placement
         cold = not self._registry.has_active_replica(resolution.name)
@@ -324,9 +324,11 @@ class Admission:
 
     def _try_place(self, requested: str, num_prompt_tokens: int, tenant: str = "",
                    avoid: frozenset[str] = frozenset(), affinity_key: str = "",
-                   priority: int = pb.PRIORITY_CLASS_INTERACTIVE) -> Placement | None:
+                   priority: int = pb.PRIORITY_CLASS_INTERACTIVE,
+                   resolution: Resolution | None = None) -> Placement | None:
+        """`resolution`: the request's, made just now (its first try, on arrival)."""
         # Resolved again at each try: a queued request follows a route change (a rollback) made while it waited.
-        resolution = self.resolve(requested, affinity_key)
+        resolution = resolution or self.resolve(requested, affinity_key)
         if resolution.version is None:
             return None
         candidates = _Candidates(self._registry, resolution.name, resolution.version,
