@@ -50,7 +50,7 @@ class DisaggPlanner:
         from the front of the orders and from the workers holding the prompt's first block."""
         registry = self._registry
         group = registry.loads.group_of(chosen.worker_id)
-        if group is None or group.prefill:  # a shared-pool worker: nothing to plan (no peers, no prefill)
+        if group is None or group.prefill:  # a shared-pool worker (not in the index): no peers, no prefill
             return Plan(chosen, None)
         prefill_group = group._replace(prefill=True)
 
