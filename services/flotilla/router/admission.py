@@ -23,6 +23,7 @@ for the load, and when the load's measured duration alone is beyond that bound i
 from __future__ import annotations
 
 import asyncio
+import heapq
 import math
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -35,7 +36,8 @@ from flotilla.router.context_pools import DEFAULT_POOL, LONG_CONTEXT_POOL, PoolR
 from flotilla.router.fair_queue import FairQueue
 from flotilla.router.model_routes import ModelRoutes
 from flotilla.router.models import ModelNotFoundError, Resolution, resolve_model
-from flotilla.router.placement import PlacementLimits, choose_worker
+from flotilla.router.load_index import GroupKey
+from flotilla.router.placement import PlacementLimits, WorkerLoad, choose_worker_in_order, headroom_key
 from flotilla.router.registry import WorkerEntry, WorkerRegistry
 from flotilla.router.shared_pool import SharedPool
 from flotilla.router.wait_estimate import (ThroughputMeter, estimated_wait_s, overload_retry_after_s,
@@ -208,8 +210,10 @@ class Admission:
 
     def _wait_behind(self, name: str, num_queued_tokens: int) -> float | None:
         self._observe_throughput()
-        workers = [e for e in self._registry.workers() if self._registry.is_healthy(e) and (
-            e.model_name == name or self.shared.holds(e, name))]
+        registry = self._registry
+        workers = [e for e in (*registry.token_workers_of(name), *registry.fixed_batch_workers(name),
+                               *registry.shared_workers())
+                   if registry.is_healthy(e) and (e.model_name == name or self.shared.holds(e, name))]
         ahead = num_queued_tokens + sum(self._registry.load_of(e).num_queued_tokens for e in workers)
         return with_load_time(estimated_wait_s(ahead, self.throughput.tokens_per_s(e.worker_id for e in workers)),
                               self.shared.expected_load_s(name))
@@ -227,7 +231,7 @@ class Admission:
         # queue, never past a class served before its own.
         if not (queues.has_waiters_before(ticket.priority) if idle else queues.has_waiters_ahead(ticket.priority)):
             placement = self._try_place(requested, num_prompt_tokens, ticket.tenant, avoid, ticket.affinity_key,
-                                        ticket.priority)
+                                        ticket.priority, resolution)
             if placement is not None:
                 return placement
         cold = not self._registry.has_active_replica(resolution.name)
@@ -255,8 +259,7 @@ class Admission:
 
     def _in_long_lane(self, name: str, num_prompt_tokens: int) -> bool:
         """A long prompt of a model with long-context workers (in any state) queues in the long lane."""
-        return (self._limits.context.is_long(name, num_prompt_tokens)
-                and any(e.pool == LONG_CONTEXT_POOL and e.model_name == name for e in self._registry.workers()))
+        return self._limits.context.is_long(name, num_prompt_tokens) and self._registry.has_long_context_workers(name)
 
     def _long_waiting(self, name: str) -> bool:
         queues = self._long_queues.get(name)
@@ -284,8 +287,9 @@ class Admission:
         return overload_retry_after_s(wait_s or 0.0, ticket.max_queue_wait_s)
 
     def _observe_throughput(self) -> None:
-        # Runs on every dispatch(), which the service calls on every heartbeat: one sample per report.
-        for entry in self._registry.workers():
+        # Runs on every dispatch(), which the service calls on every heartbeat: one sample per report, read only
+        # for the workers that reported (or registered) since (a report seen twice would add nothing).
+        for entry in self._registry.take_reported():
             report = entry.report
             busy = report.num_running + report.num_waiting > 0
             self.throughput.observe(entry.worker_id, report.num_output_tokens_total + report.num_prompt_tokens_total,
@@ -329,33 +333,36 @@ class Admission:
 
     def _try_place(self, requested: str, num_prompt_tokens: int, tenant: str = "",
                    avoid: frozenset[str] = frozenset(), affinity_key: str = "",
-                   priority: int = pb.PRIORITY_CLASS_INTERACTIVE) -> Placement | None:
+                   priority: int = pb.PRIORITY_CLASS_INTERACTIVE,
+                   resolution: Resolution | None = None) -> Placement | None:
+        """`resolution`: the request's, made just now (its first try, on arrival)."""
         # Resolved again at each try: a queued request follows a route change (a rollback) made while it waited.
-        resolution = self.resolve(requested, affinity_key)
+        resolution = resolution or self.resolve(requested, affinity_key)
         if resolution.version is None:
             return None
-        healthy = self._registry.healthy_workers(resolution.name, resolution.version)
-        healthy += self.shared.placeable(resolution.name, resolution.version)
-        if not healthy and self.shared.is_shared_model(resolution.name):
+        candidates = _Candidates(self._registry, resolution.name, resolution.version,
+                                 self.shared.placeable(resolution.name, resolution.version))
+        if not candidates.any(frozenset()) and self.shared.is_shared_model(resolution.name):
             self.shared.ensure_loading(resolution.name, resolution.version)  # the request waits for the load
             return None
         # A worker that just failed this request may still look healthy (a kill -9 can read as INTERNAL,
         # not UNAVAILABLE, and its heartbeats are not overdue yet): retry elsewhere while there is an elsewhere.
-        workers = {e.worker_id: e for e in ([e for e in healthy if e.worker_id not in avoid] or healthy)}
-        loads = [self._registry.load_of(e) for e in workers.values()]
+        skip = avoid if avoid and candidates.any(avoid) else frozenset()
         pools = PoolRequest(self._limits.context.is_long(resolution.name, num_prompt_tokens),
                             self._long_waiting(resolution.name))
-        chosen = choose_worker(loads, num_prompt_tokens, self._limits, self._is_idle(resolution.name, tenant),
-                               batch=priority == pb.PRIORITY_CLASS_BATCH, pools=pools)
+        chosen = choose_worker_in_order(lambda pool: candidates.in_order(pool, skip), num_prompt_tokens,
+                                        self._limits, self._is_idle(resolution.name, tenant),
+                                        batch=priority == pb.PRIORITY_CLASS_BATCH, pools=pools,
+                                        fewest_requests=lambda pool: candidates.fewest_requests(pool, skip))
         if chosen is None:
             if self.shared.is_shared_model(resolution.name):  # full where it is loaded: one more, if a slot is free
                 self.shared.ensure_loading(resolution.name, resolution.version, spread=True)
             return None
-        self._registry.record_placement(workers[chosen], num_prompt_tokens)
+        worker = self._registry.get(chosen)
         # Released (with the tenant, the long flag and the model) by the router service when the relay ends.
-        self._registry.assign(workers[chosen], tenant, pools.long_context, resolution.name)
-        self.shared.placed(workers[chosen])
-        return Placement(workers[chosen], resolution, pools.long_context)
+        self._registry.place(worker, num_prompt_tokens, tenant, pools.long_context, resolution.name)
+        self.shared.placed(worker)
+        return Placement(worker, resolution, pools.long_context)
 
     def _wait_budget(self, deadline_unix_s: float, cold: bool = False) -> float:
         budget = self._cold_start_wait_s if cold else self._max_queue_wait_s
@@ -376,6 +383,39 @@ class Admission:
         """MODEL_STARTING; for a shared model whose load time is known, retry once its load should be done."""
         load_s = self.shared.expected_load_s(name)
         return _model_starting(requested, starting_retry_after_s(load_s) if load_s else COLD_START_RETRY_AFTER_S)
+
+
+class _Candidates:
+    """The workers a request for name@version may go to, per pool in headroom order: the version's token workers
+    in rotation and healthy (from the registry's load index, read from the front) and the shared-pool workers
+    holding it (few; their loads computed here)."""
+
+    def __init__(self, registry: WorkerRegistry, name: str, version: str, shared: list[WorkerEntry]):
+        self._registry = registry
+        self._name, self._version = name, version
+        self._shared = [registry.load_of(e) for e in shared]
+
+    def in_order(self, pool: str, skip: frozenset[str], order: str = "headroom") -> Iterator[WorkerLoad]:
+        registry = self._registry
+        indexed = (load for entry, load in registry.loads.walk(GroupKey(self._name, self._version, pool, False), order)
+                   if load.worker_id not in skip and registry.is_placeable(entry))
+        if order != "headroom":
+            return indexed
+        shared = sorted((load for load in self._shared if load.pool == pool and load.worker_id not in skip),
+                        key=headroom_key)
+        return heapq.merge(indexed, shared, key=headroom_key) if shared else indexed
+
+    def fewest_requests(self, pool: str, skip: frozenset[str]) -> int | None:
+        """The fewest requests a candidate of the pool has (None: no candidate): the front of the requests order."""
+        least = next(self.in_order(pool, skip, "requests"), None)
+        counts = [load.num_requests for load in self._shared if load.pool == pool and load.worker_id not in skip]
+        if least is not None:
+            counts.append(least.num_requests)
+        return min(counts, default=None)
+
+    def any(self, skip: frozenset[str]) -> bool:
+        """Some candidate is not in `skip`."""
+        return any(next(self.in_order(pool, skip), None) is not None for pool in ("", LONG_CONTEXT_POOL))
 
 
 def _model_starting(requested: str, retry_after_s: float = COLD_START_RETRY_AFTER_S, why: str = "") -> RouterError:

@@ -64,7 +64,7 @@ class LeaseRpcs:
         telemetry.placed(placement)
         name = placement.resolution.name
         try:
-            plan = self._disagg.plan(placement.worker, request, avoid=avoid)
+            plan = self._disagg.plan(placement.worker, request, avoid=avoid, long_context=placement.long_context)
             worker = plan.decode
             telemetry.running_on(worker.worker_id)
             worker.num_inflight += 1
@@ -83,7 +83,7 @@ class LeaseRpcs:
                     if report.worker_unreachable:
                         self._registry.mark_failed(worker.worker_id)
                 worker.num_inflight -= 1
-                self._registry.release(worker, request.tenant_id)
+                self._registry.release(worker, request.tenant_id, placement.long_context, name)
         finally:
             self._admission.dispatch()  # the released slot may take a queued request
 

@@ -59,6 +59,16 @@ class RouterMetrics:
                                                buckets=OUTPUT_TOKEN_BUCKETS, registry=r)
         self.versions = VersionStats()
         self._weight_labels: dict[str, list[tuple[str, str, str]]] = {}
+        self._children: dict[tuple, object] = {}  # (metric, labels) -> its child (child())
+
+    def child(self, metric, *labels: str):
+        """metric.labels(*labels), kept: labels() takes a lock and builds its key on every call, and every request
+        calls it about ten times. Only for metrics whose children are never removed (not route_weight)."""
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def route_changed(self, action: str, name: str, route: Route | None) -> None:
         """A ModelRoutes listener: count the change and set the model's weight gauges."""
@@ -78,9 +88,9 @@ class RouterMetrics:
     def version_finished(self, name: str, version: str, outcome: str, ttft_s: float | None, tpot_s: float | None,
                          num_output_tokens: int) -> None:
         self.versions.finished(name, version, outcome, ttft_s, tpot_s, num_output_tokens)
-        self.version_requests.labels(name, version, outcome).inc()
+        self.child(self.version_requests, name, version, outcome).inc()
         if ttft_s is not None:
-            self.version_ttft.labels(name, version).observe(ttft_s)
+            self.child(self.version_ttft, name, version).observe(ttft_s)
         if tpot_s is not None:
-            self.version_tpot.labels(name, version).observe(tpot_s)
-        self.version_output_tokens.labels(name, version).observe(num_output_tokens)
+            self.child(self.version_tpot, name, version).observe(tpot_s)
+        self.child(self.version_output_tokens, name, version).observe(num_output_tokens)

@@ -93,11 +93,11 @@ class ModelRoutes:
     def observe(self, versions: Sequence[ModelVersionRef]) -> None:
         """Adopt a current version for names without one (their first version) and for unmanaged routes
         whose current version no worker serves any more. Cheap: called on every resolution."""
+        served = {(ref.name, ref.version) for ref in versions}
         names = {ref.name for ref in versions}
         for name in names:
             route = self.routes.get(name)
-            if route is not None and (route.managed or any(
-                    ref.name == name and ref.version == route.current for ref in versions)):
+            if route is not None and (route.managed or (name, route.current) in served):
                 continue
             adopted = newest_version(name, versions)
             if adopted is None or (route is not None and route.current == adopted):

@@ -9,11 +9,11 @@ within the long-context pool's tier, a short one in the default pool's before an
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from flotilla.router.context_pools import ContextThresholds, PoolRequest, pool_tiers
+from flotilla.router.context_pools import LONG_CONTEXT_POOL, ContextThresholds, PoolRequest, fits, pool_tiers
 
 
 class WorkerLoad(NamedTuple):  # a tuple, not a frozen dataclass: built for every candidate of every placement
@@ -78,6 +78,60 @@ def choose_worker(loads: Iterable[WorkerLoad], num_prompt_tokens: int, limits: P
         if candidates:
             return min(candidates, key=headroom_key).worker_id
     return None
+
+
+def choose_worker_in_order(ordered: Callable[[str], Iterable[WorkerLoad]], num_prompt_tokens: int,
+                           limits: PlacementLimits, idle_tenant: bool = False, batch: bool = False,
+                           pools: PoolRequest = PoolRequest(),
+                           fewest_requests: Callable[[str], int | None] | None = None) -> str | None:
+    """choose_worker's answer, from the candidates of each pool already in headroom_key order (`ordered(pool)`,
+    pool "" or LONG_CONTEXT_POOL; the router's load index): it reads each pool from the front until a worker has
+    room, instead of every candidate. The same tiers as pool_tiers, tried in the same order. `fewest_requests(pool)`:
+    the fewest requests any candidate of the pool has (None: no candidate), so that a pool whose every worker is at
+    the request cap (a saturated fleet, where dispatch() tries the queue's head on every report) is not walked."""
+    max_requests = limits.max_requests_per_worker + (limits.idle_tenant_extra_slots if idle_tenant else 0)
+
+    def first_with_room(loads: Iterable[WorkerLoad], pool: str) -> str | None:
+        if fewest_requests is not None:
+            fewest = fewest_requests(pool)
+            if fewest is None or fewest >= max_requests:
+                return None  # a bound for the tier's subsets too (the lent workers, those the prompt fits)
+        for load in loads:
+            if can_admit(load, num_prompt_tokens, limits, idle_tenant, batch):
+                return load.worker_id
+            queued = load.num_queued_tokens
+            if 0 < queued and queued + num_prompt_tokens > limits.max_queued_tokens_per_worker:
+                return None  # over the token cap: so is every later one (as many queued tokens or more)
+        return None
+
+    if pools.long_context:
+        long_pool = iter(ordered(LONG_CONTEXT_POOL))
+        first = next(long_pool, None)
+        if first is not None:
+            return first_with_room(_chain(first, long_pool), LONG_CONTEXT_POOL)
+        seen_fitting = False
+
+        def fitting() -> Iterator[WorkerLoad]:
+            nonlocal seen_fitting
+            for load in ordered(""):
+                if fits(load, num_prompt_tokens):
+                    seen_fitting = True
+                    yield load
+
+        chosen = first_with_room(fitting(), "")
+        if chosen is not None or seen_fitting:
+            return chosen
+        return first_with_room(ordered(""), "")  # none fits: the default pool all the same (pool_tiers)
+    chosen = first_with_room(ordered(""), "")
+    if chosen is not None or pools.long_waiting:
+        return chosen
+    return first_with_room((load for load in ordered(LONG_CONTEXT_POOL) if load.num_long_requests == 0),
+                           LONG_CONTEXT_POOL)
+
+
+def _chain(first: WorkerLoad, rest: Iterator[WorkerLoad]) -> Iterator[WorkerLoad]:
+    yield first
+    yield from rest
 
 
 # ---- disaggregation: prefix affinity with a load cap -----------------------------------------------------

@@ -21,7 +21,8 @@ from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.worker.v1 import worker_pb2_grpc
 from flotilla.rpc.options import aio_channel
 from flotilla.rpc.session_client import SessionClient
-from flotilla.router.context_pools import DEFAULT_POOL, pool_label
+from flotilla.router.context_pools import DEFAULT_POOL, LONG_CONTEXT_POOL, pool_label
+from flotilla.router.load_index import GroupKey, LoadIndex
 from flotilla.router.model_assets import ModelAssetStore
 from flotilla.router.models import ModelVersionRef
 from flotilla.router.placement import WorkerLoad
@@ -122,6 +123,10 @@ class WorkerRegistry:
         self._token_by_name: dict[str, dict[str, WorkerEntry]] = {}
         self._first_registered: dict[tuple[str, str], float] = {}  # (name, version) -> earliest registered_at
         self._tenant_assigned: Counter[tuple[str, str]] = Counter()  # (model name, tenant) -> requests placed
+        # Token workers' loads in placement order, kept on every change of a load (load_index.py).
+        self.loads = LoadIndex()
+        # Workers with a report (or a registration) since admission last read them (take_reported).
+        self._reported: dict[str, WorkerEntry] = {}
         # Replaced or removed workers whose channels sweep() closes once their relayed streams ended
         # (a worker that deregisters to drain still finishes its streams).
         self._closing: list[WorkerEntry] = []
@@ -159,6 +164,9 @@ class WorkerRegistry:
             entry.state = pending[0]
         self._workers[info.worker_id] = entry
         self._index(entry, old)
+        self._reported[entry.worker_id] = entry
+        self.loads.remove(entry.worker_id)  # its kind, version or pool may have changed; its cache is unknown
+        self._refresh(entry)
         if old is not None:
             self.assets.retain(self.announced_assets())
         served = (f"shared pool of {', '.join(m.name for m in info.shared.models)}" if entry.is_shared
@@ -181,13 +189,25 @@ class WorkerRegistry:
         entry.last_heartbeat = self._clock()
         entry.num_placed_requests = entry.num_placed_tokens = entry.num_released_since_report = 0
         entry.failed = False
+        self._reported[worker_id] = entry
+        group = self._refresh(entry)
+        if group is not None:
+            self.loads.set_cached(group, worker_id, report.cached_block_hashes)
         return True
+
+    def take_reported(self) -> list[WorkerEntry]:
+        """Workers registered or reporting since the last call, each once (its latest entry): what changed. One
+        reader: the router's admission (its throughput meter)."""
+        reported, self._reported = list(self._reported.values()), {}
+        return reported
 
     def deregister(self, worker_id: str) -> bool:
         entry = self._workers.pop(worker_id, None)
         if entry is None:
             return False
         self._unindex(entry)
+        self.loads.remove(worker_id)
+        self._reported.pop(worker_id, None)
         self._closing.append(entry)
         self.assets.retain(self.announced_assets())
         logger.info("worker %s deregistered", worker_id)
@@ -209,7 +229,12 @@ class WorkerRegistry:
             self._unindex(old)
         for index, key in self._buckets(entry):
             index.setdefault(key, {})[entry.worker_id] = entry
-        self._refresh_first_registered(entry)
+        key = (entry.model_name, entry.version)
+        if old is None and key in self._first_registered and not (entry.is_shared or entry.is_fixed_batch):
+            # a new token worker of a known version: no scan
+            self._first_registered[key] = min(self._first_registered[key], entry.registered_at)
+        else:
+            self._refresh_first_registered(entry)
 
     def _unindex(self, entry: WorkerEntry) -> None:
         for index, key in self._buckets(entry):
@@ -218,6 +243,19 @@ class WorkerRegistry:
             if not bucket and index is not self._kinds:
                 index.pop(key, None)
         self._refresh_first_registered(entry)
+
+    @staticmethod
+    def group_key(entry: WorkerEntry) -> GroupKey:
+        """Its group in the load index (token workers only)."""
+        return GroupKey(entry.model_name, entry.version, entry.pool, entry.info.role == pb.WORKER_ROLE_PREFILL)
+
+    def _refresh(self, entry: WorkerEntry) -> GroupKey | None:
+        """Put a registered token worker's current load in the load index; its group, or None."""
+        if entry.is_shared or entry.is_fixed_batch or self._workers.get(entry.worker_id) is not entry:
+            return None  # not indexed, or a replaced entry whose streams are ending
+        group = self.loads.group_of(entry.worker_id) or self.group_key(entry)  # register() removed a replaced one
+        self.loads.put(group, entry, self.load_of(entry))
+        return group
 
     def _refresh_first_registered(self, entry: WorkerEntry) -> None:
         if entry.is_shared or entry.is_fixed_batch:
@@ -336,9 +374,43 @@ class WorkerRegistry:
     def can_take_batch(self, entry: WorkerEntry) -> bool:
         return self.is_healthy(entry) and entry.state == rpb.WORKER_STATE_ACTIVE
 
-    def record_placement(self, entry: WorkerEntry, num_prompt_tokens: int) -> None:
+    def is_placeable(self, entry: WorkerEntry) -> bool:
+        """In rotation and healthy: what the load index's readers check as they walk."""
+        return entry.state == rpb.WORKER_STATE_ACTIVE and self.is_healthy(entry)
+
+    def has_long_context_workers(self, name: str) -> bool:
+        """A long-context token worker of the model is registered, in any state and health."""
+        return any(not self.loads.is_empty(GroupKey(name, version, LONG_CONTEXT_POOL, prefill))
+                   for (model, version) in self._first_registered if model == name for prefill in (False, True)
+                   ) or any(e.pool == LONG_CONTEXT_POOL for e in self.fixed_batch_workers(name))
+
+    def token_workers_of(self, name: str) -> list[WorkerEntry]:
+        """Token workers of the model (any version, state and health)."""
+        return list(self._token_by_name.get(name, {}).values())
+
+    def record_placement(self, entry: WorkerEntry, num_prompt_tokens: int, refresh: bool = True) -> None:
         entry.num_placed_requests += 1
         entry.num_placed_tokens += num_prompt_tokens
+        if refresh:
+            self._refresh(entry)
+
+    def place(self, entry: WorkerEntry, num_prompt_tokens: int, tenant: str = "", long_context: bool = False,
+              model: str = "") -> None:
+        """record_placement and assign at once (admission's placement): one update of the load index."""
+        self.record_placement(entry, num_prompt_tokens, refresh=False)
+        self.assign(entry, tenant, long_context, model)
+
+    def move_placement(self, old: WorkerEntry, new: WorkerEntry, num_tokens: int, long_context: bool) -> None:
+        """A placement admission counted on `old` goes to `new` instead (the planner's prefix affinity)."""
+        old.num_placed_requests = max(0, old.num_placed_requests - 1)
+        old.num_placed_tokens = max(0, old.num_placed_tokens - num_tokens)
+        old.num_assigned = max(0, old.num_assigned - 1)  # the relay releases the worker it really used
+        new.num_assigned += 1
+        if long_context:
+            old.num_long_assigned = max(0, old.num_long_assigned - 1)
+            new.num_long_assigned += 1
+        self._refresh(old)
+        self.record_placement(new, num_tokens)
 
     def assign(self, entry: WorkerEntry, tenant: str = "", long_context: bool = False, model: str = "") -> None:
         """`long_context`: a long prompt (context_pools.py); `model`: the request's model name (default: the
@@ -346,6 +418,7 @@ class WorkerRegistry:
         entry.num_assigned += 1
         entry.num_long_assigned += long_context
         self._tenant_assigned[(model or entry.model_name, tenant)] += 1
+        self._refresh(entry)
 
     def release(self, entry: WorkerEntry, tenant: str = "", long_context: bool = False, model: str = "") -> None:
         entry.num_assigned = max(0, entry.num_assigned - 1)
@@ -357,6 +430,7 @@ class WorkerRegistry:
             del self._tenant_assigned[key]
         else:
             self._tenant_assigned[key] -= 1
+        self._refresh(entry)
 
     def num_assigned_to_tenant(self, model_name: str, tenant: str) -> int:
         """Requests of this tenant the router placed for this model whose relay has not ended (any worker)."""

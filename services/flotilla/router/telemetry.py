@@ -46,15 +46,15 @@ class RouterRequestTelemetry:
         self._first_token_at: float | None = None
         self._last_token_at = 0.0
         self._reported: pb.StreamReport | None = None  # a lease's end, as its holder saw the stream
-        metrics.queue_depth.labels(self._model, self._class).inc()
+        metrics.child(metrics.queue_depth, self._model, self._class).inc()
 
     def placed(self, placement: Placement) -> None:
         self.running_on(placement.worker.worker_id)
         self._end_queue_wait()
         self._placed = True
-        self._metrics.inflight.labels(self._model).inc()
-        self._metrics.queue_wait.labels(self._model, self._class).observe(self._queue_wait_s)
-        self._metrics.placements.labels(self._model, pool_label(placement.worker.pool),
+        self._metrics.child(self._metrics.inflight, self._model).inc()
+        self._metrics.child(self._metrics.queue_wait, self._model, self._class).observe(self._queue_wait_s)
+        self._metrics.child(self._metrics.placements, self._model, pool_label(placement.worker.pool),
                                         "long" if placement.long_context else "short").inc()
         resolution = placement.resolution
         if resolution.version:
@@ -99,7 +99,7 @@ class RouterRequestTelemetry:
     def finish(self) -> None:
         self._end_queue_wait()
         if self._placed:
-            self._metrics.inflight.labels(self._model).dec()
+            self._metrics.child(self._metrics.inflight, self._model).dec()
         report = self._reported
         if report is not None and self._version is not None and not report.worker_lost:
             # A lost lease is not a sample: the request goes on under another one, which reports its outcome.
@@ -110,9 +110,10 @@ class RouterRequestTelemetry:
             ttft = first - self._arrived if first is not None else None
             tpot = (self._last_token_at - first) / (self._num_tokens - 1) if first and self._num_tokens > 1 else None
             self._metrics.version_finished(*self._version, self.outcome, ttft, tpot, self._num_tokens)
-        self._metrics.requests.labels(self._model, self._class, self.tier or "unknown", self.outcome).inc()
+        self._metrics.child(self._metrics.requests, self._model, self._class, self.tier or "unknown",
+                            self.outcome).inc()
         if self.outcome not in ("ok", "cancelled"):
-            self._metrics.rejections.labels(self.outcome).inc()
+            self._metrics.child(self._metrics.rejections, self.outcome).inc()
         self.span.set_attribute("flotilla.outcome", self.outcome)
         self.span.end()
         log_request("router", self._request_id, trace_id=trace_id_hex(self.span), model=self._model,
@@ -123,4 +124,4 @@ class RouterRequestTelemetry:
         if self._queue_wait_s is None:
             self._queue_wait_s = time.perf_counter() - self._arrived
             self._queue_span.end()
-            self._metrics.queue_depth.labels(self._model, self._class).dec()
+            self._metrics.child(self._metrics.queue_depth, self._model, self._class).dec()
