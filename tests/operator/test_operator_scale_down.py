@@ -36,8 +36,9 @@ from .test_operator_kmock import OPERATOR_TLS, POOL, _get
 POOL_NAME = "tiny-pool"
 PODS = [f"{POOL_NAME}-workers-5d8c7-{suffix}" for suffix in ("a", "b", "c")]
 POOL_KEY = (kmock.resource("flotilla.dev/v1alpha1/flotillapools"), "ns1", POOL_NAME)
-# About 2 s and 5 s of tokens on an idle CPU: the second streams outlast the first ones' drain plus the idle time.
-FIRST_TOKENS, SECOND_TOKENS = 400, 1000
+# About 2 s and 9 s of tokens on an idle CPU: the second streams outlast the first ones' drain plus the idle time,
+# with room to spare on a loaded machine (at 1,000 tokens they once ended first under CI load).
+FIRST_TOKENS, SECOND_TOKENS = 400, 1900
 TIMEOUT_S = 90.0
 
 
