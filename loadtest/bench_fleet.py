@@ -145,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
                              worker_args=["--num-kv-blocks", "8192", "--max-num-seqs", str(args.max_concurrency),
                                           "--stream-interval-ms", str(args.stream_interval_ms)],
                              router_args=["--max-requests-per-worker", str(args.max_concurrency)],  # one batch
-                             gateway_args=["--stream-path", args.stream_path])
+                             # One anonymous key opens every stream: its per-key cap must not be what is measured.
+                             gateway_args=["--stream-path", args.stream_path,
+                                           "--max-streams-per-key", str(max(64, args.max_concurrency))])
         fleet_runs, offline_runs = [], []
         with LocalFleet(config) as fleet:
             streamed(fleet.gateway_url + "/v1", MODEL, "none", specs[:4], 4)  # warm-up
