@@ -155,11 +155,14 @@ def test_kill_9_of_the_owning_router_under_64_streams_every_stream_completes(up)
     print(f"\n{resumed} requests were resumed on the other router; a new one sent at the kill had its first token "
           f"{new_request_s * 1000:.0f} ms after it")
     assert all(r.status == "ok" for r in records)
-    # Every stream was placed by the killed owner while it lived (the kill comes with the first token): on the
-    # lease path they stream from the workers and its death cuts none; on the relay path they are resumed. The
-    # other router placed only the new request and the resumed ones, so the 64 really were the dead router's.
+    # The owner placed at least the stream whose first token set off the kill; on the lease path those it placed
+    # stream from the workers and its death cuts none, on the relay path they are resumed. The other router placed
+    # the new request, the resumed streams, and those the owner had not placed yet when it died: still queued
+    # there, or not yet arrived (on a loaded machine the first token can come before the last of the 64 requests
+    # reached the gateway: CI once saw 42), which the gateway acquires again from it (FailoverAcquire).
     placed_by_other = relayed_requests(up, other) - placed_by_other_before
-    assert 1 <= placed_by_other <= 1 + resumed, (placed_by_other, resumed)
+    print(f"the other router placed {placed_by_other:.0f} requests")
+    assert 1 <= placed_by_other <= NUM_STREAMS + resumed, (placed_by_other, resumed)
     # Admitted, placed and streaming: the target is within 1 s of its router's death (0.6-0.8 s on this 2-core
     # machine with little else running, up to 1.8 s while other suites load it). The bound still fails a failover
     # that waits for a keepalive (15 s), a reconnect backoff or a queue timeout.
