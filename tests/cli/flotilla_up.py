@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import openai
 import yaml
 
 import flotilla.models
@@ -125,3 +126,23 @@ def is_gone(pid: int) -> bool:
 def is_free(port: int) -> bool:
     with socket.socket() as probe:
         return probe.connect_ex(("127.0.0.1", port)) != 0
+
+
+def openai_client(up: FlotillaUp) -> openai.AsyncOpenAI:
+    """The real openai SDK against the fleet's gateway, as a user holds it (no retries of its own)."""
+    return openai.AsyncOpenAI(base_url=f"{up.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+async def chat_stream(oai: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int, on_chunk=None) -> str:
+    """One greedy streamed chat's text; `on_chunk(n)` after the n-th chunk with content."""
+    stream = await oai.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                               max_tokens=max_tokens, temperature=0, stream=True)
+    text, chunks = "", 0
+    async for chunk in stream:
+        for choice in chunk.choices:
+            if choice.delta.content:
+                text += choice.delta.content
+                chunks += 1
+                if on_chunk is not None:
+                    on_chunk(chunks)
+    return text

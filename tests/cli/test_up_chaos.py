@@ -20,7 +20,8 @@ from flotilla.usage.sinks import read_file
 from tests.support.fleet import MODEL
 from tests.support.waiting import wait_until
 
-from .flotilla_up import API_KEY, FlotillaUp, is_free, is_gone, start_flotilla_up
+from .flotilla_up import API_KEY, FlotillaUp, is_free, is_gone, openai_client, start_flotilla_up
+from .flotilla_up import chat_stream as shared_chat_stream
 
 NUM_STREAMS = 16
 MAX_TOKENS = 24
@@ -39,26 +40,12 @@ def up(tiny_checkpoint, tmp_path_factory):
     up.stop()
 
 
-def client(up: FlotillaUp) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{up.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
 async def chat_stream(oai: openai.AsyncOpenAI, prompt: str, on_chunk=None) -> str:
-    stream = await oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
-                                               max_tokens=MAX_TOKENS, temperature=0, stream=True)
-    text, chunks = "", 0
-    async for chunk in stream:
-        for choice in chunk.choices:
-            if choice.delta.content:
-                text += choice.delta.content
-                chunks += 1
-                if on_chunk is not None:
-                    on_chunk(chunks)
-    return text
+    return await shared_chat_stream(oai, MODEL, prompt, MAX_TOKENS, on_chunk)
 
 
 async def all_streams(up: FlotillaUp, on_chunk=None) -> list[str]:
-    async with client(up) as oai:
+    async with openai_client(up) as oai:
         return await asyncio.gather(*(chat_stream(oai, prompt, on_chunk) for prompt in PROMPTS))
 
 
@@ -109,7 +96,7 @@ def test_kill_9_of_the_router_it_comes_back_and_the_fleet_serves_again(up, refer
                "both workers registered with the new router", ignore=(Exception,))
 
     async def one_chat() -> str:
-        async with client(up) as oai:
+        async with openai_client(up) as oai:
             return await chat_stream(oai, PROMPTS[0])
 
     assert asyncio.run(one_chat()) == reference[0]
@@ -121,7 +108,7 @@ def test_kill_9_of_the_gateway_it_comes_back_on_its_port(up, reference):
     up.wait_said("gateway is serving again")
 
     async def one_chat() -> str:
-        async with client(up) as oai:
+        async with openai_client(up) as oai:
             return await chat_stream(oai, PROMPTS[1])
 
     assert asyncio.run(one_chat()) == reference[1]  # at the URL flotilla up printed

@@ -25,7 +25,8 @@ from flotilla.usage.sinks import read_file
 from tests.support.fleet import MODEL, metric_samples
 from tests.support.waiting import wait_until
 
-from .flotilla_up import API_KEY, FlotillaUp, start_flotilla_up
+from .flotilla_up import API_KEY, FlotillaUp, openai_client, start_flotilla_up
+from .flotilla_up import chat_stream as shared_chat_stream
 
 NUM_STREAMS = 64
 MAX_TOKENS = 16
@@ -42,21 +43,8 @@ def up(tiny_checkpoint, tmp_path_factory):
     up.stop()
 
 
-def client(up: FlotillaUp) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{up.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
 async def chat_stream(oai: openai.AsyncOpenAI, prompt: str, on_chunk=None) -> str:
-    stream = await oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
-                                               max_tokens=MAX_TOKENS, temperature=0, stream=True)
-    text = ""
-    async for chunk in stream:
-        for choice in chunk.choices:
-            if choice.delta.content:
-                text += choice.delta.content
-                if on_chunk is not None:
-                    on_chunk()
-    return text
+    return await shared_chat_stream(oai, MODEL, prompt, MAX_TOKENS, on_chunk)
 
 
 def owner(up: FlotillaUp) -> tuple[str, str]:
@@ -87,7 +75,7 @@ def test_workers_register_with_both_routers_and_the_owner_serves_the_model(up):
     before = relayed_requests(up, owning), relayed_requests(up, other)
 
     async def one() -> str:
-        async with client(up) as oai:
+        async with openai_client(up) as oai:
             return await chat_stream(oai, PROMPTS[0])
 
     assert asyncio.run(one())
@@ -113,7 +101,7 @@ def test_a_route_change_reaches_every_router_and_an_alias_shares_its_models_rout
     wait_until(gateway_knows_alias, 10, "the gateway to list the alias")
 
     async def one() -> str:
-        async with client(up) as oai:
+        async with openai_client(up) as oai:
             stream = await oai.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}],
                                                        max_tokens=4, temperature=0, stream=True)
             return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
@@ -125,7 +113,7 @@ def test_a_route_change_reaches_every_router_and_an_alias_shares_its_models_rout
 
 def test_kill_9_of_the_owning_router_under_64_streams_every_stream_completes(up):
     async def all_streams(on_chunk=None) -> list[str]:
-        async with client(up) as oai:
+        async with openai_client(up) as oai:
             return await asyncio.gather(*(chat_stream(oai, prompt, on_chunk) for prompt in PROMPTS))
 
     reference = asyncio.run(all_streams())
@@ -134,7 +122,7 @@ def test_kill_9_of_the_owning_router_under_64_streams_every_stream_completes(up)
     placed_by_other_before = relayed_requests(up, other)
     killed_at: list[float] = []
 
-    def kill_once() -> None:
+    def kill_once(num_chunks: int) -> None:
         if not killed_at:
             up.kill(owning)
             killed_at.append(time.monotonic())
@@ -144,8 +132,8 @@ def test_kill_9_of_the_owning_router_under_64_streams_every_stream_completes(up)
         while not killed_at:
             await asyncio.sleep(0.005)  # polling for the kill, which the first streamed token triggers
         first_token_at: list[float] = []
-        async with client(up) as oai:  # a new request, sent the moment the owner is gone
-            await chat_stream(oai, PROMPTS[0], lambda: first_token_at.append(time.monotonic()))
+        async with openai_client(up) as oai:  # a new request, sent the moment the owner is gone
+            await chat_stream(oai, PROMPTS[0], lambda num_chunks: first_token_at.append(time.monotonic()))
         return await streams, first_token_at[0] - killed_at[0]
 
     texts, new_request_s = asyncio.run(disturbed())
@@ -180,7 +168,7 @@ def _served_by(up: FlotillaUp, router: str) -> bool:
     before = relayed_requests(up, router)
 
     async def one() -> str:
-        async with client(up) as oai:
+        async with openai_client(up) as oai:
             return await chat_stream(oai, PROMPTS[1])
 
     asyncio.run(one())
