@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
+from flotilla.api.common.v1 import common_pb2 as pb
+from flotilla.engine.async_engine import AsyncEngine
 from flotilla.engine.engine import LLMEngine
 from flotilla.engine.model.kv_cache import kv_pool_tensor
 from flotilla.engine.new_request import NewRequest
@@ -15,6 +18,7 @@ from flotilla.engine.remote_prefill import KVReservation, KVSender, RemoteTarget
 from flotilla.engine.sampling_params import SamplingParams
 from flotilla.kv_transfer.arrivals import ArrivalTracker
 from flotilla.kv_transfer.transport import KVTransport
+from flotilla.worker.decode_side import DecodeSide
 
 from tests.support.waiting import wait_until
 
@@ -76,3 +80,23 @@ def layer_digests(engine: LLMEngine, block_ids: list[int], num_tokens: int) -> l
         kv = layer[:, ids].reshape(2, -1, *layer.shape[-2:])[:, :num_tokens].contiguous()
         digests.append(hashlib.sha256(kv.cpu().numpy().tobytes()).hexdigest())
     return digests
+
+
+def decode_side_over(engine: AsyncEngine, peer, lease_s: float, arrivals: ArrivalTracker | None = None,
+                     counters: SimpleNamespace | None = None) -> tuple[SimpleNamespace, DecodeSide]:
+    """A decode worker's hand-off (DecodeSide, no quarantine grace) over `engine`, whose RemotePrefill goes to
+    `peer` (the prefill worker, scripted by the test): (the hand-off's seam, the DecodeSide)."""
+    handoff = SimpleNamespace(
+        engine=engine, settings=SimpleNamespace(min_remote_prefill_tokens=1, lease_s=lease_s), incoming={},
+        arrivals=ArrivalTracker() if arrivals is None else arrivals,
+        transport=SimpleNamespace(name="decode-agent"),
+        counters=SimpleNamespace(num_local_fallbacks=0) if counters is None else counters,
+        peer_stub=lambda address: peer,
+    )
+    return handoff, DecodeSide(handoff, "127.0.0.1:1", quarantine_grace_s=0.0)
+
+
+def handed_off_request() -> pb.GenerateRequest:
+    """The request the hand-off tests send: 37 prompt tokens, 2 greedy output tokens."""
+    return pb.GenerateRequest(request_id="r", prompt_token_ids=list(range(3, 40)),
+                              sampling=pb.SamplingParams(max_tokens=2, temperature=0.0))

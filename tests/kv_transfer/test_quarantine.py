@@ -21,13 +21,11 @@ from flotilla.engine.engine import LLMEngine
 from flotilla.engine.new_request import NewRequest
 from flotilla.engine.remote_prefill import RemoteTarget, quarantine, release, try_reserve
 from flotilla.engine.sampling_params import SamplingParams
-from flotilla.kv_transfer.arrivals import ArrivalTracker
 from flotilla.kv_transfer.copy_transport import CopyTransport
-from flotilla.worker.decode_side import DecodeSide
 
 from tests.support.waiting import wait_until
 
-from .engine_pair import EnginePair, layer_digests
+from .engine_pair import EnginePair, decode_side_over, handed_off_request, layer_digests
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 32
@@ -186,14 +184,8 @@ def test_decode_side_quarantines_when_a_write_may_still_land(tiny_checkpoint, ca
     llm, peer = _engine(tiny_checkpoint), make_peer()
     engine = AsyncEngine(lambda: llm)
     lease_s = 0.3
-    handoff = SimpleNamespace(
-        engine=engine, settings=SimpleNamespace(min_remote_prefill_tokens=1, lease_s=lease_s),
-        incoming={}, arrivals=ArrivalTracker(), transport=SimpleNamespace(name="decode-agent"),
-        counters=SimpleNamespace(num_local_fallbacks=0), peer_stub=lambda address: peer,
-    )  # fmt: skip
-    decode_side = DecodeSide(handoff, "127.0.0.1:1", quarantine_grace_s=0.0)
-    gen = pb.GenerateRequest(request_id="r", prompt_token_ids=list(range(3, 40)),
-                             sampling=pb.SamplingParams(max_tokens=2, temperature=0.0))
+    handoff, decode_side = decode_side_over(engine, peer, lease_s)
+    gen = handed_off_request()
 
     async def hand_off():
         await engine.start()

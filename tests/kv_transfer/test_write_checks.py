@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.kvtransfer.v1 import kv_transfer_pb2 as kpb
 from flotilla.engine.async_engine import AsyncEngine
 from flotilla.engine.config import EngineConfig
@@ -20,11 +19,10 @@ from flotilla.engine.remote_prefill import RemoteTarget, release, try_reserve
 from flotilla.engine.sampling_params import SamplingParams
 from flotilla.kv_transfer.arrivals import ArrivalTracker, encode_blocks, notif_message
 from flotilla.kv_transfer.nixl_transport import NixlTransport
-from flotilla.worker.decode_side import DecodeSide
 
 from tests.support.waiting import wait_until
 
-from .engine_pair import EnginePair
+from .engine_pair import EnginePair, decode_side_over, handed_off_request
 
 PARAMS = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 
@@ -124,14 +122,8 @@ def test_decode_side_refuses_the_hand_off_and_quarantines(tiny_checkpoint, case)
             return kpb.RemotePrefillResponse(first_token_id=7, num_writes=1, writes_settled=True,
                                              prefill_agent_name="prefill-agent")
 
-    handoff = SimpleNamespace(
-        engine=engine, settings=SimpleNamespace(min_remote_prefill_tokens=1, lease_s=0.2),
-        incoming={}, arrivals=arrivals, transport=SimpleNamespace(name="decode-agent"), counters=counters,
-        peer_stub=lambda address: Peer(),
-    )  # fmt: skip
-    decode_side = DecodeSide(handoff, "127.0.0.1:1", quarantine_grace_s=0.0)
-    gen = pb.GenerateRequest(request_id="r", prompt_token_ids=list(range(3, 40)),
-                             sampling=pb.SamplingParams(max_tokens=2, temperature=0.0))
+    handoff, decode_side = decode_side_over(engine, Peer(), 0.2, arrivals, counters)
+    gen = handed_off_request()
 
     async def hand_off():
         await engine.start()
