@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -93,6 +93,15 @@ class RouterPool:
             log.warning("router %s unreachable; failing over", client.address)
         router.down = True
 
+    async def attempt_order(self, model: str) -> AsyncIterator[RouterClient]:
+        """The routers a call for `model` tries, in routers_for order; when the caller has come back for more
+        (every one failed), the same again once one of them is connected again (wait_reconnected)."""
+        for client in self.routers_for(model):
+            yield client
+        if await self.wait_reconnected(model):
+            for client in self.routers_for(model):
+                yield client
+
     async def wait_reconnected(self, model: str) -> bool:
         """Every router failed: True once one of them (the model's owner first) is connected again, False if none
         is within the reconnect grace, or at once when none is marked unreachable (waiting would change nothing)."""
@@ -130,16 +139,13 @@ class RouterPool:
 
     async def batch_generate(self, call: router_pb2.BatchCall) -> router_pb2.BatchResult:
         last_error: grpc.RpcError | None = None
-        for waited in (False, True):
-            if waited and not await self.wait_reconnected(call.model):
-                break
-            for client in self.routers_for(call.model):
-                try:
-                    return await client.batch_generate(call)
-                except grpc.RpcError as err:
-                    if not self.on_call_error(client, err):
-                        raise
-                    last_error = err
+        async for client in self.attempt_order(call.model):
+            try:
+                return await client.batch_generate(call)
+            except grpc.RpcError as err:
+                if not self.on_call_error(client, err):
+                    raise
+                last_error = err
         raise last_error
 
     async def queue_load(self, models: Sequence[str]) -> router_pb2.GetQueueLoadResponse:
@@ -249,17 +255,14 @@ class FailoverAcquire:
         if self._call is not None:
             return await self._call.__anext__()
         last_error: grpc.aio.AioRpcError | None = None
-        for waited in (False, True):
-            if waited and not await self._pool.wait_reconnected(self._request.model):
-                break
-            for client in self._pool.routers_for(self._request.model):
-                self._call = client.acquire(self._request, self._metadata)
-                try:
-                    return await self._call.__anext__()
-                except grpc.aio.AioRpcError as err:
-                    if not self._pool.on_call_error(client, err):
-                        raise
-                    last_error = err
+        async for client in self._pool.attempt_order(self._request.model):
+            self._call = client.acquire(self._request, self._metadata)
+            try:
+                return await self._call.__anext__()
+            except grpc.aio.AioRpcError as err:
+                if not self._pool.on_call_error(client, err):
+                    raise
+                last_error = err
         assert last_error is not None
         raise last_error
 
