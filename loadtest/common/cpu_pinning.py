@@ -9,14 +9,11 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
+from flotilla.engine.cpu_layout import move_process_threads
+
 
 def pin_process(pid: int, cores: Iterable[int]) -> None:
-    mask = set(cores)
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setaffinity(int(tid), mask)
-        except ProcessLookupError:  # the thread ended meanwhile
-            pass
+    move_process_threads(cores, pid)
 
 
 def split_cores(num_engine_cores: int) -> tuple[list[int], list[int]]:
