@@ -72,10 +72,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="pin the workers and the offline engines to this many cores and the gateway, router and "
                         "benchmark client to the others, as in a deployment where the path has CPUs of its own "
                         "(0: no pinning, everything shares every core)")
-    p.add_argument("--worker-pinning", choices=("engine-thread", "whole"), default="engine-thread",
-                   help="with --engine-cores: engine-thread puts only each worker's engine thread on the engine "
-                        "cores (the worker's --engine-cpus; its gRPC and loop go with the path, as on a GPU "
-                        "worker); whole pins every thread of the worker there (rows before 2026-12-02)")
     p.add_argument("--stream-path", choices=("auto", "direct", "relay"), default="auto",
                    help="the gateway's --stream-path: auto streams from the workers under leases (flotilla up's "
                         "fleet has a lease secret); relay sends every token through the router")
@@ -143,15 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     if engine_cores:
         for pid in offline.pids:
             pin_process(pid, engine_cores)
-    engine_thread_only = bool(engine_cores) and args.worker_pinning == "engine-thread"
-    line["worker_pinning"] = args.worker_pinning if engine_cores else None
-    cpu_list = ",".join(map(str, engine_cores))
     with offline, tempfile.TemporaryDirectory(prefix="bench-fleet-") as state:
         config = FleetConfig(model_dir=model_dir, state_dir=Path(state), model_name=MODEL, num_workers=args.workers,
                              env={"OMP_NUM_THREADS": str(args.worker_threads)} if args.worker_threads else {},
                              worker_args=["--num-kv-blocks", "8192", "--max-num-seqs", str(args.max_concurrency),
-                                          "--stream-interval-ms", str(args.stream_interval_ms),
-                                          *(["--engine-cpus", cpu_list] if engine_thread_only else [])],
+                                          "--stream-interval-ms", str(args.stream_interval_ms)],
                              router_args=["--max-requests-per-worker", str(args.max_concurrency)],  # one batch
                              # One anonymous key opens every stream: its per-key cap must not be what is measured.
                              gateway_args=["--stream-path", args.stream_path,
@@ -162,10 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             pids = {service.name: service.pid for service in fleet.services()}
             if engine_cores:
                 for name, pid in pids.items():
-                    if not name.startswith("worker"):
-                        pin_process(pid, path_cores)
-                    elif not engine_thread_only:  # else the worker laid itself out (--engine-cpus)
-                        pin_process(pid, engine_cores)
+                    pin_process(pid, engine_cores if name.startswith("worker") else path_cores)
                 pin_process(os.getpid(), path_cores)  # the benchmark client
             # Rounds alternate fleet and offline so that a slow spell of a shared machine hits both alike.
             for round_index in range(args.rounds):

@@ -9,11 +9,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-from flotilla.engine.cpu_layout import move_process_threads
-
 
 def pin_process(pid: int, cores: Iterable[int]) -> None:
-    move_process_threads(cores, pid)
+    mask = set(cores)
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), mask)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
 
 
 def split_cores(num_engine_cores: int) -> tuple[list[int], list[int]]:

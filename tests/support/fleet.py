@@ -219,8 +219,7 @@ def create_redis_key(redis_url: str, tenant: str, *flags: str) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def start_service(state_dir: Path, name: str, *args: str, wait: bool = True,
-                  env: dict[str, str] | None = None) -> ServiceProcess:
+def start_service(state_dir: Path, name: str, *args: str, wait: bool = True) -> ServiceProcess:
     """One service (`flotilla ARGS`) as a process, its log and port file under `state_dir` as LocalFleet lays them
     out; with `wait`, once it wrote its port (then `.address` is where it serves). A router, worker or gateway
     gets a certificate from the session CA (its role, `name`) unless ARGS say --insecure-internal or --tls-dir."""
@@ -228,7 +227,6 @@ def start_service(state_dir: Path, name: str, *args: str, wait: bool = True,
     if args[0] in ("router", "worker", "gateway") and not {"--insecure-internal", "--tls-dir"} & set(args):
         args += tls_args(args[0], name)
     process = _service(state_dir, name, args)
-    process.env.update(env or {})
     process.start()
     if wait:
         process.wait_port(START_TIMEOUT_S)

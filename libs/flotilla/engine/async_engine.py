@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from flotilla.engine.cpu_layout import pin_current_thread
 from flotilla.engine.engine import LLMEngine
 from flotilla.engine.errors import InvalidRequestError
 from flotilla.engine.inbox import Inbox
@@ -82,12 +81,9 @@ _ABORTED = object()  # queue marker: the engine dropped the request (abort or sh
 
 class AsyncEngine:
     def __init__(self, engine_factory: EngineFactory, check_integrity_when_idle: bool = True,
-                 stream_interval_s: float = 0.0, thread_cpus: frozenset[int] | None = None):
-        """`stream_interval_s`: release running requests' tokens at most this often (stream_pacer.py).
-        `thread_cpus`: the engine thread (and the torch threads it starts) runs on these CPUs only
-        (cpu_layout.py); None: wherever the process may."""
+                 stream_interval_s: float = 0.0):
+        """`stream_interval_s`: release running requests' tokens at most this often (stream_pacer.py)."""
         self._pacer = StreamPacer(stream_interval_s)
-        self._thread_cpus = thread_cpus
         self._factory = engine_factory
         self._check_integrity_when_idle = check_integrity_when_idle
         self._cond = threading.Condition()
@@ -230,8 +226,6 @@ class AsyncEngine:
     # ---- engine thread -----------------------------------------------------------------------------
     def _run(self, started: asyncio.Future[None]) -> None:
         try:
-            if self._thread_cpus:  # before the model loads: torch's thread pool inherits the mask
-                pin_current_thread(self._thread_cpus)
             engine = self._factory()
         except BaseException as exc:  # report any start-up failure to start()'s caller
             self._failure = exc

@@ -56,10 +56,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="send running streams' tokens together at most this often (several tokens per "
                              "message and SSE event: less CPU per token on every hop, tokens arrive in bursts); "
                              "first and last tokens at once")
-    worker.add_argument("--engine-cpus", default=None, metavar="LIST",
-                        help="run the engine thread on these CPUs (like 0 or 0-3) and the worker's gRPC and event "
-                             "loop on the others it may use, as a GPU worker is laid out: the per-token serving work "
-                             "then takes no CPU from the engine (default: all threads on every CPU)")
     worker.add_argument("--shutdown-grace-s", type=float, default=5.0,
                         help="SIGTERM: running streams may finish this long, then they move to another worker")
     worker.add_argument("--pool", choices=("default", "long-context"), default="default",
@@ -223,7 +219,6 @@ def run_worker(args: argparse.Namespace) -> int:
         routers=router_addresses(args.router),
         shutdown_grace_s=args.shutdown_grace_s,
         stream_interval_s=args.stream_interval_ms / 1000,
-        engine_cpus=_engine_cpus(args.engine_cpus),
         metrics_port=args.metrics_port,
         metrics_port_file=args.metrics_port_file,
         output_check=CheckSettings(args.output_check_interval_s, args.output_check_busy_interval_s),
@@ -245,20 +240,6 @@ def run_worker(args: argparse.Namespace) -> int:
     else:
         run_service(serve(config))
     return 0
-
-
-def _engine_cpus(text: str | None) -> frozenset[int] | None:
-    """--engine-cpus, checked against the CPUs this process may use; exits on a bad list."""
-    if text is None:
-        return None
-    from flotilla.engine.cpu_layout import other_cpus, parse_cpu_list
-
-    try:
-        cpus = parse_cpu_list(text)
-        other_cpus(cpus)
-    except ValueError as exc:
-        raise SystemExit(f"--engine-cpus: {exc}") from None
-    return cpus
 
 
 def _shared_models(args: argparse.Namespace) -> list[tuple[str, str]]:

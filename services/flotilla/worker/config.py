@@ -27,9 +27,6 @@ class WorkerConfig:
     # Release running requests' tokens at the first step this long after the previous release, the same step
     # for all (one message per release per hop; engine/stream_pacer.py). 0: each token as soon as it is ready.
     stream_interval_s: float = 0.0
-    # The engine thread on these CPUs, the rest of the process (gRPC, the event loop) on the others
-    # (engine/cpu_layout.py). None: every thread wherever the process may run.
-    engine_cpus: frozenset[int] | None = None
     pool: str = ""  # the router pool it registers in: "" (default) or "long-context" (router/context_pools.py)
     disagg: DisaggSettings = field(default_factory=DisaggSettings)  # role and KV hand-off settings
     metrics_port: int | None = None  # Prometheus /metrics on host:port (0 = any free port); None = off

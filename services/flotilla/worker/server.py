@@ -10,7 +10,6 @@ from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.worker.v1 import worker_pb2_grpc
 from flotilla.engine.async_engine import AsyncEngine
-from flotilla.engine.cpu_layout import move_process_threads, other_cpus
 from flotilla.engine.engine import LLMEngine
 from flotilla.observability.exposition import serve_metrics
 from flotilla.rpc.leases import LeaseVerifier, read_secret
@@ -37,10 +36,8 @@ async def serve(
     if stop is None:
         stop = asyncio.Event()
         stop_on_signals(stop)
-    if config.engine_cpus:  # the serving threads off the engine's CPUs; the engine thread pins itself
-        move_process_threads(other_cpus(config.engine_cpus))
     engine = AsyncEngine(engine_factory or (lambda: LLMEngine(config.engine)),
-                         stream_interval_s=config.stream_interval_s, thread_cpus=config.engine_cpus)
+                         stream_interval_s=config.stream_interval_s)
     await engine.start()
     worker_id = config.resolved_worker_id()
     # What gateways need to serve the model (tokenizer, templates): published through the router.

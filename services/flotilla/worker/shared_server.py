@@ -18,7 +18,6 @@ from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.worker.v1 import worker_pb2_grpc
 from flotilla.engine.async_engine import AsyncEngine
-from flotilla.engine.cpu_layout import move_process_threads, other_cpus
 from flotilla.engine.config import resolve_device
 from flotilla.engine.engine import LLMEngine
 from flotilla.engine.model.loader import check_checkpoint
@@ -44,8 +43,6 @@ async def serve_shared(config: WorkerConfig, stop: asyncio.Event | None = None) 
         stop = asyncio.Event()
         stop_on_signals(stop)
     catalog = read_catalog(config.shared_models, config.engine.max_model_len)
-    if config.engine_cpus:  # the serving threads off the engines' CPUs; each engine thread pins itself
-        move_process_threads(other_cpus(config.engine_cpus))
     worker_id = config.resolved_worker_id()
     metrics = WorkerMetrics()
     changes = Counter("flotilla_worker_shared_model_changes", "Shared-pool loads and unloads by model",
@@ -59,8 +56,7 @@ async def serve_shared(config: WorkerConfig, stop: asyncio.Event | None = None) 
         entry = catalog[name]
         engine_config = replace(config.engine, model_dir=entry.model_dir,
                                 kv_cache_memory_bytes=kv_budget(entry.model_dir))
-        engine = AsyncEngine(lambda: LLMEngine(engine_config), stream_interval_s=config.stream_interval_s,
-                             thread_cpus=config.engine_cpus)
+        engine = AsyncEngine(lambda: LLMEngine(engine_config), stream_interval_s=config.stream_interval_s)
         await engine.start()
         changes.labels(name, "load").inc()
         service = WorkerService(engine, worker_id, entry.info, metrics)
