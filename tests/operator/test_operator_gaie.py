@@ -4,7 +4,6 @@ pool when the GAIE API is served, and not when it is not (mode auto)."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
 
@@ -86,7 +85,7 @@ async def test_operator_applies_it_only_where_gaie_is_served(kube, router, serve
     register_handlers(registry, OperatorConfig(router_address=router.address, interval_s=0.2,
                                                kube_host=str(kube.url).rstrip("/"), gateway=TARGET,
                                                tls_dir=OPERATOR_TLS, worker_tls_secret="flotilla-tls-worker"))
-    operator, stop = start_operator(registry)
+    operator = start_operator(registry)
     try:
         await kube.post("/apis/flotilla.dev/v1alpha1/namespaces/ns1/flotillapools", json=POOL)
         await async_wait_until(lambda: DEPLOYMENT in kube.objects, 20, "the worker Deployment")
@@ -99,5 +98,4 @@ async def test_operator_applies_it_only_where_gaie_is_served(kube, router, serve
         else:
             assert not [key for key in kube.objects if key[0].group == gaie.GROUP]
     finally:
-        stop.set()
-        await asyncio.wait_for(operator, 10)
+        await operator.stop(10)

@@ -3,7 +3,6 @@ Deployment and Service (owner references set), a change of signals scales it, st
 
 from __future__ import annotations
 
-import asyncio
 
 import kmock
 import kopf
@@ -55,7 +54,7 @@ async def test_pool_creates_deployment_scales_on_signals_and_writes_status(kube,
     metrics = register_handlers(registry, OperatorConfig(router_address=router.address, interval_s=0.2,
                                                kube_host=str(kube.url).rstrip("/"),
                                                tls_dir=OPERATOR_TLS, worker_tls_secret="flotilla-tls-worker"))
-    operator, stop = start_operator(registry)
+    operator = start_operator(registry)
     try:
         await kube.post(f"/apis/flotilla.dev/v1alpha1/namespaces/ns1/flotillapools", json=POOL)
         await async_wait_until(lambda: _get(kube, DEPLOYMENT, "spec", "replicas") == 2, 20,
@@ -94,5 +93,4 @@ async def test_pool_creates_deployment_scales_on_signals_and_writes_status(kube,
         desired = [s.value for s in metrics.desired_replicas.collect()[0].samples if s.labels == labels]
         assert desired == [5]  # the gauge follows the status
     finally:
-        stop.set()
-        await asyncio.wait_for(operator, 20)
+        await operator.stop(20)

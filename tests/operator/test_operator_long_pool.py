@@ -41,7 +41,7 @@ async def test_a_long_context_pool_scales_on_its_own_signals(kube, router, worke
     register_handlers(registry, OperatorConfig(router_address=router.address, interval_s=0.2,
                                                kube_host=str(kube.url).rstrip("/"), tls_dir=OPERATOR_TLS,
                                                worker_tls_secret="flotilla-tls-worker"))
-    operator, stop = start_operator(registry)
+    operator = start_operator(registry)
     try:
         # The default pool of the same model and role, busy: 5000 queued tokens would be 4 long-pool replicas.
         workers.add("short-0", 5000, role=pb.WORKER_ROLE_BOTH)
@@ -67,5 +67,4 @@ async def test_a_long_context_pool_scales_on_its_own_signals(kube, router, worke
                                "the pool's queued tokens in its status")
         assert set(workers.states().values()) == {rpb.WORKER_STATE_ACTIVE}
     finally:
-        stop.set()
-        await asyncio.wait_for(operator, 20)
+        await operator.stop(20)

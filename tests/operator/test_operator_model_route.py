@@ -3,7 +3,6 @@ in the router, a changed spec changes the weight, and currentVersion promotes th
 
 from __future__ import annotations
 
-import asyncio
 
 import kmock
 import kopf
@@ -47,7 +46,7 @@ async def test_model_route_rolls_out_grows_and_promotes(kube, router, workers):
     register_handlers(registry, OperatorConfig(router_address=router.address, interval_s=0.2,
                                                kube_host=str(kube.url).rstrip("/"), tls_dir=OPERATOR_TLS,
                                                worker_tls_secret="flotilla-tls-worker"))
-    operator, stop = start_operator(registry)
+    operator = start_operator(registry)
     try:
         await kube.post(ROUTES, json={
             "apiVersion": "flotilla.dev/v1alpha1", "kind": "FlotillaModelRoute",
@@ -67,6 +66,5 @@ async def test_model_route_rolls_out_grows_and_promotes(kube, router, workers):
         await async_wait_until(lambda: status(kube, "currentVersion") == "v2", 20, "status after promotion")
         assert status(kube, "blocked") is None
     finally:
-        stop.set()
-        await asyncio.wait_for(operator, 20)
+        await operator.stop(20)
         workers.stub.DeregisterWorker(rpb.DeregisterWorkerRequest(worker_id="w-v2"), timeout=5)

@@ -4,7 +4,6 @@ the same pool made acceptable is reconciled and the refusal cleared."""
 
 from __future__ import annotations
 
-import asyncio
 import copy
 
 import kmock
@@ -41,7 +40,7 @@ async def test_other_images_and_host_paths_are_refused_until_allowed(kube):
     registry = kopf.OperatorRegistry()
     register_handlers(registry, OperatorConfig(kube_host=str(kube.url).rstrip("/"), interval_s=0.2,
                                                pod_policy=POLICY, insecure_internal=True))
-    operator, stop = start_operator(registry)
+    operator = start_operator(registry)
     host_path = copy.deepcopy(POOL)
     host_path["metadata"].update(name="h", uid="uid-h")
     host_path["spec"]["worker"] = {"image": "ghcr.io/flotilla/flotilla:0.1.0",
@@ -61,5 +60,4 @@ async def test_other_images_and_host_paths_are_refused_until_allowed(kube):
         await async_wait_until(lambda: not _status(kube, "p").get("refused"), 20, "the refusal cleared")
         assert _key("apps/v1/deployments", "h-workers") not in kube.objects
     finally:
-        stop.set()
-        await asyncio.wait_for(operator, 10)
+        await operator.stop(10)

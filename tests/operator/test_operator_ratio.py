@@ -5,7 +5,6 @@ relayed to real workers, which this test has none of."""
 
 from __future__ import annotations
 
-import asyncio
 import copy
 from concurrent import futures
 
@@ -72,7 +71,7 @@ async def test_prefill_pool_scales_to_the_ratio_of_the_decode_pool(kube, router_
     registry = kopf.OperatorRegistry()
     register_handlers(registry, OperatorConfig(router_address=router_address, interval_s=0.2,
                                                kube_host=str(kube.url).rstrip("/"), insecure_internal=True))
-    operator, stop = start_operator(registry)
+    operator = start_operator(registry)
     prefill_deployment, prefill_pool = keys("prefill-a")
     try:
         # Alone, the prefill pool holds its own minimum: there is no decode pool to follow.
@@ -101,5 +100,4 @@ async def test_prefill_pool_scales_to_the_ratio_of_the_decode_pool(kube, router_
         assert f"x {NUM_DECODE} decode -> at least 5" in status["lastDecision"]["reason"]
         assert status["signals"]["promptTokens"] == 6000 and status["signals"]["outputTokens"] == 1000
     finally:
-        stop.set()
-        await asyncio.wait_for(operator, 20)
+        await operator.stop(20)

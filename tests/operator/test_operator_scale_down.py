@@ -98,7 +98,7 @@ async def test_pool_scales_3_to_1_to_0_under_streams_without_failing_one(kube, r
     register_handlers(registry, OperatorConfig(router_address=router.address, interval_s=0.2,
                                                kube_host=str(kube.url).rstrip("/"), tls_dir=OPERATOR_TLS,
                                                worker_tls_secret="flotilla-tls-worker"))
-    operator, stop = start_operator(registry)
+    operator = start_operator(registry)
     replica_set = PodReplicaSet(kube, "ns1", POOL_NAME,
                                 {pod: start_worker(tmp_path, router.address, tiny_checkpoint, pod, MODEL)
                                  for pod in PODS})
@@ -155,8 +155,7 @@ async def test_pool_scales_3_to_1_to_0_under_streams_without_failing_one(kube, r
         for stream in streams:
             stream.task.cancel()
         await replica_set.stop()
-        stop.set()
-        await asyncio.wait_for(operator, 20)
+        await operator.stop(20)
         await channel.close()
 
 
