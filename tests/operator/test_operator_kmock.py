@@ -3,7 +3,6 @@ Deployment and Service (owner references set), a change of signals scales it, st
 
 from __future__ import annotations
 
-
 import kmock
 import kopf
 

@@ -3,7 +3,6 @@ in the router, a changed spec changes the weight, and currentVersion promotes th
 
 from __future__ import annotations
 
-
 import kmock
 import kopf
 
