@@ -37,9 +37,19 @@ def setup_tracing(service_name: str, processors: Sequence[SpanProcessor] = ()) -
     return provider
 
 
+_tracer_of_provider: tuple[trace.TracerProvider | None, trace.Tracer | None] = (None, None)
+
+
 def tracer() -> trace.Tracer:
-    """The global provider's tracer, looked up per call so that a provider installed later is used."""
-    return trace.get_tracer(TRACER_NAME)
+    """The global provider's tracer: made once per provider, so that one installed later is used, and not per
+    call (get_tracer costs a few µs, and a worker starts several spans per request on its event loop)."""
+    global _tracer_of_provider
+    provider = trace.get_tracer_provider()
+    cached_provider, cached = _tracer_of_provider
+    if cached is None or provider is not cached_provider:
+        cached = provider.get_tracer(TRACER_NAME)
+        _tracer_of_provider = (provider, cached)
+    return cached
 
 
 def trace_id_hex(span: trace.Span | None = None) -> str:

@@ -43,6 +43,13 @@ class StreamSink:
         """The outbox never blocks: the same as write(), callable outside a coroutine."""
         self._outbox.put(pb.SessionEvent(stream_id=self._stream_id, response=response))
 
+    def outgoing_response(self) -> pb.GenerateResponse:
+        """A new, empty response already queued on this stream, for the caller to fill in at once (the writer
+        takes it on a later turn of the loop): a token chunk is built in place, not copied into its event."""
+        event = pb.SessionEvent(stream_id=self._stream_id)
+        self._outbox.put(event)
+        return event.response
+
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
 

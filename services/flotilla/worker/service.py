@@ -17,6 +17,7 @@ from flotilla.engine.outputs import RequestOutput
 from flotilla.rpc.convert import (
     chunk_response,
     error_response,
+    fill_chunk,
     finished_response,
     invalid_request_response,
     load_report,
@@ -112,15 +113,15 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
         # A cancelled RPC (the caller went away, or its deadline passed) raises CancelledError at an await
         # below; closing the stream then aborts the request in the engine.
         outcome = "cancelled"  # unless the stream ends or fails below
-        write_nowait = getattr(context, "write_nowait", None)  # a session's stream (rpc/session_server.py)
-        if write_nowait is not None:
+        outgoing_response = getattr(context, "outgoing_response", None)  # a session's stream (rpc/session_server.py)
+        if outgoing_response is not None:
+            worker_id = self.worker_id
 
             def relay_tokens(output: RequestOutput) -> bool:
                 """Token chunks leave as the engine delivers them, without waking this task per token."""
                 telemetry.on_output(output)
-                chunk = chunk_response(output, self.worker_id)
-                if chunk is not None:
-                    write_nowait(chunk)
+                if output.new_token_ids or output.text_delta:
+                    fill_chunk(outgoing_response(), output, worker_id)
                 return True
 
             stream.deliver_directly(relay_tokens)

@@ -61,8 +61,8 @@ class RequestTelemetry:
         self._num_prompt_tokens = output.num_prompt_tokens
         self._num_cached_tokens = output.num_cached_prompt_tokens
         if output.new_token_ids and self._decode is None:
-            self._prefill.set_attribute("flotilla.prompt_tokens", output.num_prompt_tokens)
-            self._prefill.set_attribute("flotilla.cached_prompt_tokens", output.num_cached_prompt_tokens)
+            self._prefill.set_attributes({"flotilla.prompt_tokens": output.num_prompt_tokens,
+                                          "flotilla.cached_prompt_tokens": output.num_cached_prompt_tokens})
             self._prefill.end()
             self._decode = tracer().start_span("worker.decode", context=trace.set_span_in_context(self.span))
         self.timer.on_tokens(len(output.new_token_ids))
