@@ -10,6 +10,9 @@ class InvalidRequestError(ValueError):
         self.field = field
         self.message = message
 
+    def __reduce__(self):  # pickled by its fields, not by str(self) (the engine's own process sends them)
+        return type(self), (self.field, self.message)
+
 
 class ContextLengthError(InvalidRequestError):
     """Prompt plus max_tokens does not fit the model's context window."""
@@ -23,3 +26,6 @@ class ContextLengthError(InvalidRequestError):
         self.num_prompt_tokens = num_prompt_tokens
         self.max_tokens = max_tokens
         self.max_model_len = max_model_len
+
+    def __reduce__(self):
+        return type(self), (self.num_prompt_tokens, self.max_tokens, self.max_model_len)

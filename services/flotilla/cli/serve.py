@@ -65,6 +65,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="the router's lease secret: serve only streams with a valid placement lease for this "
                              "worker, from its router or from gateways (default: none; only the router may open "
                              "streams)")
+    worker.add_argument("--engine-process", action="store_true",
+                        help="run the engine in a child process instead of a thread beside the gRPC loop: the two "
+                             "stop sharing a GIL, so an engine pinned to its own cores has them to itself (role "
+                             "both, one model; off by default)")
     worker.add_argument("--role", choices=("both", "prefill", "decode"), default="both",
                         help="both: colocated; prefill/decode: one side of disaggregated serving (KV over NIXL)")
     worker.add_argument("--min-remote-prefill-tokens", type=int, default=32,
@@ -185,6 +189,8 @@ def run_worker(args: argparse.Namespace) -> int:
         target_tpot_s = resolve_target_tpot_s(args.target_tpot_ms, args.device)
     except ValueError as err:
         raise SystemExit(f"flotilla worker: {err}") from None
+    if args.engine_process and (args.role != "both" or shared):
+        raise SystemExit("flotilla worker: --engine-process needs --role both and one model (no --shared-models)")
     if args.hold_batch_max_steps < 1:
         raise SystemExit(f"flotilla worker: --hold-batch-max-steps must be >= 1, got {args.hold_batch_max_steps}")
     engine = EngineConfig(
@@ -229,6 +235,7 @@ def run_worker(args: argparse.Namespace) -> int:
         shared_models=tuple(shared),
         max_loaded_models=args.max_loaded_models,
         lease_secret_file=args.lease_secret_file,
+        engine_process=args.engine_process,
     )
     from flotilla.observability.setup import setup_observability
 

@@ -40,6 +40,9 @@ class WorkerConfig:
     # The router's lease secret (rpc/leases.py): every Generate stream must carry a valid lease for this
     # worker. None: no lease is checked and only the router may open streams (it relays them).
     lease_secret_file: str | None = None
+    # The engine in a child process (engine/process_engine.py) instead of a thread beside the gRPC loop: the
+    # two stop sharing a GIL, so a core pinned to the engine is the engine's alone. Role both, one model.
+    engine_process: bool = False
 
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"worker-{uuid.uuid4().hex[:8]}"

@@ -11,6 +11,7 @@ from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.worker.v1 import worker_pb2_grpc
 from flotilla.engine.async_engine import AsyncEngine
 from flotilla.engine.engine import LLMEngine
+from flotilla.engine.process_engine import ProcessEngine
 from flotilla.observability.exposition import serve_metrics
 from flotilla.rpc.leases import LeaseVerifier, read_secret
 from flotilla.rpc.options import address, aio_server, bind
@@ -36,8 +37,7 @@ async def serve(
     if stop is None:
         stop = asyncio.Event()
         stop_on_signals(stop)
-    engine = AsyncEngine(engine_factory or (lambda: LLMEngine(config.engine)),
-                         stream_interval_s=config.stream_interval_s)
+    engine = _engine(config, engine_factory)
     await engine.start()
     worker_id = config.resolved_worker_id()
     # What gateways need to serve the model (tokenizer, templates): published through the router.
@@ -77,6 +77,14 @@ async def serve(
         await server.stop(config.shutdown_grace_s)
         await kv.close()
         await engine.shutdown()
+
+
+def _engine(config: WorkerConfig, engine_factory: Callable[[], LLMEngine] | None) -> AsyncEngine | ProcessEngine:
+    if config.engine_process:
+        if engine_factory is not None or config.disagg.role != "both":
+            raise ValueError("the engine's own process serves role both with the worker's own engine config")
+        return ProcessEngine(config.engine, stream_interval_s=config.stream_interval_s)
+    return AsyncEngine(engine_factory or (lambda: LLMEngine(config.engine)), stream_interval_s=config.stream_interval_s)
 
 
 async def _start_output_check(config: WorkerConfig, engine: AsyncEngine, metrics: WorkerMetrics
