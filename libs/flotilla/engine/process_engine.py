@@ -115,6 +115,11 @@ class ProcessEngine:
             logger.error("engine process did not stop within %.0f s; killing it", STOP_TIMEOUT_S)
         await self._reap()
 
+    async def wait_exited(self) -> BaseException | None:
+        """Returns once the child has exited: None after shutdown(), else why it died."""
+        await asyncio.shield(self._stopped)
+        return self._failure
+
     @property
     def engine(self) -> EngineView:
         if self._view is None:

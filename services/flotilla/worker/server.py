@@ -63,8 +63,9 @@ async def serve(
         metrics_server = serve_metrics(metrics.registry, config.host, config.metrics_port, config.metrics_port_file)
     output_check_task = asyncio.create_task(output_check.run_forever()) if output_check is not None else None
     announce("worker", config.host, port, config.port_file)
+    engine_exit = asyncio.ensure_future(engine.wait_exited()) if isinstance(engine, ProcessEngine) else None
     try:
-        await stop.wait()
+        await _until_stopped(stop, engine_exit)
     finally:
         if metrics_server is not None:
             metrics_server.stop()
@@ -77,6 +78,24 @@ async def serve(
         await server.stop(config.shutdown_grace_s)
         await kv.close()
         await engine.shutdown()
+    if engine_exit is not None and not engine_exit.done():
+        engine_exit.cancel()  # a normal stop
+    elif engine_exit is not None and engine_exit.result() is not None:
+        # Its streams failed over already (the gateway resumes them elsewhere); exiting non-zero lets the
+        # supervisor (flotilla up, Kubernetes) start a fresh worker instead of keeping one that cannot serve.
+        raise SystemExit(f"flotilla worker: {engine_exit.result()}")
+
+
+async def _until_stopped(stop: asyncio.Event, engine_exit: asyncio.Future | None) -> None:
+    """Until `stop` is set or, with the engine in its own process, that process dies."""
+    stopping = asyncio.ensure_future(stop.wait())
+    waiting = {stopping} if engine_exit is None else {stopping, engine_exit}
+    try:
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if engine_exit is not None and engine_exit.done() and engine_exit.result() is not None:
+        logger.error("the engine process died (%s); the worker stops", engine_exit.result())
 
 
 def _engine(config: WorkerConfig, engine_factory: Callable[[], LLMEngine] | None) -> AsyncEngine | ProcessEngine:
