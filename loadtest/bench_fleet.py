@@ -11,6 +11,7 @@ streamed runs, and last ONE JSON line.
   .venv/bin/python loadtest/bench_fleet.py --compare-vllm ~/vllm-cpu/.venv/bin/python
   .venv/bin/python loadtest/bench_fleet.py --worker-threads 1 --engine-cores 1   # the path on a core of its own
   .venv/bin/python loadtest/bench_fleet.py --workers 2 --worker-threads 1 --stream-path relay   # the old path
+  .venv/bin/python loadtest/bench_fleet.py --worker-threads 1 --engine-cores 1 --engine-process   # no shared GIL
 
 The JSON line has `router_cpu_us_per_token` (router CPU over the median round / its output tokens: ≈ 0 on the
 lease path, where the router only places) and `fleet_over_offline` (median fleet tok/s / median offline tok/s).
@@ -37,7 +38,7 @@ if __package__ in (None, ""):  # run as a file: make `loadtest.*` importable
 import httpx  # noqa: E402
 
 from loadtest.common.checkpoint_cache import ensure_checkpoint  # noqa: E402
-from loadtest.common.cpu_pinning import pin_process, split_cores  # noqa: E402
+from loadtest.common.cpu_pinning import pin_process, spawned_engine_pids, split_cores  # noqa: E402
 from loadtest.common.cpu_time import cpu_accounting  # noqa: E402
 from loadtest.common.engine_workload import Workload  # noqa: E402
 from loadtest.common.offline_engines import OfflineEngines  # noqa: E402
@@ -75,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stream-path", choices=("auto", "direct", "relay"), default="auto",
                    help="the gateway's --stream-path: auto streams from the workers under leases (flotilla up's "
                         "fleet has a lease secret); relay sends every token through the router")
+    p.add_argument("--engine-process", action="store_true",
+                   help="the workers' --engine-process (the engine in a child process); with --engine-cores the "
+                        "engine processes are pinned to the engine cores and the workers' gRPC to the others")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.engine_cores and args.compare_vllm:
@@ -129,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     line: dict = {"size": args.size, "num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency,
                   "workers": args.workers, "worker_threads": args.worker_threads,
                   "stream_interval_ms": args.stream_interval_ms, "vllm_stream_interval": args.vllm_stream_interval,
-                  "stream_path": args.stream_path,
+                  "stream_path": args.stream_path, "engine_process": args.engine_process,
                   "loadavg_1m_start": os.getloadavg()[0]}
     workload = Workload(chat_prompts(model_dir, specs), [spec.max_tokens for spec in specs])
     # The offline engine laid out like the fleet's workers (processes, threads), each with its share.
@@ -143,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         config = FleetConfig(model_dir=model_dir, state_dir=Path(state), model_name=MODEL, num_workers=args.workers,
                              env={"OMP_NUM_THREADS": str(args.worker_threads)} if args.worker_threads else {},
                              worker_args=["--num-kv-blocks", "8192", "--max-num-seqs", str(args.max_concurrency),
-                                          "--stream-interval-ms", str(args.stream_interval_ms)],
+                                          "--stream-interval-ms", str(args.stream_interval_ms)]
+                                         + (["--engine-process"] if args.engine_process else []),
                              router_args=["--max-requests-per-worker", str(args.max_concurrency)],  # one batch
                              # One anonymous key opens every stream: its per-key cap must not be what is measured.
                              gateway_args=["--stream-path", args.stream_path,
@@ -152,9 +157,13 @@ def main(argv: list[str] | None = None) -> int:
         with LocalFleet(config) as fleet:
             streamed(fleet.gateway_url + "/v1", MODEL, "none", specs[:4], 4)  # warm-up
             pids = {service.name: service.pid for service in fleet.services()}
+            for name, pid in list(pids.items()):
+                for index, engine_pid in enumerate(spawned_engine_pids(pid) if name.startswith("worker") else []):
+                    pids[f"{name}-engine{index or ''}"] = engine_pid  # its CPU counted apart from the worker's
             if engine_cores:
                 for name, pid in pids.items():
-                    pin_process(pid, engine_cores if name.startswith("worker") else path_cores)
+                    on_engine = name.startswith("worker") and (not args.engine_process or name.endswith("engine"))
+                    pin_process(pid, engine_cores if on_engine else path_cores)
                 pin_process(os.getpid(), path_cores)  # the benchmark client
             # Rounds alternate fleet and offline so that a slow spell of a shared machine hits both alike.
             for round_index in range(args.rounds):
