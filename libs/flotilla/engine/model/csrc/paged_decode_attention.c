@@ -18,9 +18,19 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Ask for the row of token `offset` of the next block while this block's row is read: blocks lie anywhere in
+ * the cache, so the hardware prefetcher, which follows addresses, cannot see the next one coming (reading K/V
+ * through scattered blocks ran at about half the speed of reading them in order). */
+static inline void prefetch_row(const float *next_block, int64_t offset, int64_t token_stride) {
+    if (next_block == NULL) return;
+    const char *row = (const char *)(next_block + offset * token_stride);
+    for (int64_t byte = 0; byte < token_stride * (int64_t)sizeof(float); byte += 64) __builtin_prefetch(row + byte);
+}
+
 /* One sequence, all heads, over keys first..context_len-1, three passes: scores (reads K once, token-major so
  * each token's heads are one contiguous read), softmax (vectorised expf over the keys), weighted sum of V (reads
- * V once). */
+ * V once). Keys are walked block by block and heads by KV head then query head of its group: no integer
+ * division in the loops (a 64-bit divide per token and per head was about half of the kernel's time). */
 static void attend_sequence(const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
                             int64_t first, int64_t context_len, int64_t block_size, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, float scale, float softcap, float *scores,
@@ -28,16 +38,24 @@ static void attend_sequence(const float *q, const float *k_cache, const float *v
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t num_keys = context_len - first;
-    for (int64_t t = first; t < context_len; t++) {
-        const float *k_token = k_cache + (table[t / block_size] * block_size + t % block_size) * token_stride;
-        for (int64_t h = 0; h < num_heads; h++) {
-            const float *k = k_token + (h / group) * head_dim;
-            const float *qh = q + h * head_dim;
-            float dot = 0.0f;
+    for (int64_t block = first / block_size, t = first; t < context_len; block++) {
+        const int64_t block_end = (block + 1) * block_size < context_len ? (block + 1) * block_size : context_len;
+        const float *k_token = k_cache + (table[block] * block_size + t - block * block_size) * token_stride;
+        const float *next_block = block_end < context_len ? k_cache + table[block + 1] * block_size * token_stride : NULL;
+        for (; t < block_end; t++, k_token += token_stride) {
+            prefetch_row(next_block, t - block * block_size, token_stride);
+            float *score_t = scores + t - first;
+            for (int64_t j = 0; j < num_kv_heads; j++) {
+                const float *k = k_token + j * head_dim;
+                for (int64_t h = j * group; h < (j + 1) * group; h++) {
+                    const float *qh = q + h * head_dim;
+                    float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; d++) dot += qh[d] * k[d];
-            const float score = dot * scale;
-            scores[h * num_keys + t - first] = softcap > 0.0f ? softcap * tanhf(score / softcap) : score;
+                    for (int64_t d = 0; d < head_dim; d++) dot += qh[d] * k[d];
+                    const float score = dot * scale;
+                    score_t[h * num_keys] = softcap > 0.0f ? softcap * tanhf(score / softcap) : score;
+                }
+            }
         }
     }
     for (int64_t h = 0; h < num_heads; h++) {
@@ -54,14 +72,22 @@ static void attend_sequence(const float *q, const float *k_cache, const float *v
         for (int64_t t = 0; t < num_keys; t++) row[t] *= inv;
     }
     memset(out, 0, sizeof(float) * num_heads * head_dim);
-    for (int64_t t = first; t < context_len; t++) {
-        const float *v_token = v_cache + (table[t / block_size] * block_size + t % block_size) * token_stride;
-        for (int64_t h = 0; h < num_heads; h++) {
-            const float *v = v_token + (h / group) * head_dim;
-            const float p = scores[h * num_keys + t - first];
-            float *o = out + h * head_dim;
+    for (int64_t block = first / block_size, t = first; t < context_len; block++) {
+        const int64_t block_end = (block + 1) * block_size < context_len ? (block + 1) * block_size : context_len;
+        const float *v_token = v_cache + (table[block] * block_size + t - block * block_size) * token_stride;
+        const float *next_block = block_end < context_len ? v_cache + table[block + 1] * block_size * token_stride : NULL;
+        for (; t < block_end; t++, v_token += token_stride) {
+            prefetch_row(next_block, t - block * block_size, token_stride);
+            const float *p_t = scores + t - first;
+            for (int64_t j = 0; j < num_kv_heads; j++) {
+                const float *v = v_token + j * head_dim;
+                for (int64_t h = j * group; h < (j + 1) * group; h++) {
+                    const float p = p_t[h * num_keys];
+                    float *o = out + h * head_dim;
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; d++) o[d] += p * v[d];
+                    for (int64_t d = 0; d < head_dim; d++) o[d] += p * v[d];
+                }
+            }
         }
     }
 }
