@@ -79,10 +79,72 @@ class _Abort:
 _ABORTED = object()  # queue marker: the engine dropped the request (abort or shutdown)
 
 
-class AsyncEngine:
+class StreamOwner:
+    """What AsyncEngine and ProcessEngine (process_engine.py) share on the loop side: the open streams by request
+    id, the add that opens one, and the load snapshot the engine last sent. A subclass says how an add reaches
+    its engine (`_submit_add`) and whether the engine runs (`_check_running`)."""
+
+    def __init__(self) -> None:
+        self._snapshot: EngineSnapshot | None = None
+        self._streams: dict[str, RequestStream] = {}  # loop side: open streams, for duplicate ids
+
+    def snapshot(self) -> EngineSnapshot:
+        if self._snapshot is None:
+            raise RuntimeError(f"{type(self).__name__} not started")
+        return self._snapshot
+
+    def stats(self) -> EngineStats:
+        return self.snapshot().stats
+
+    def active_request_ids(self) -> tuple[str, ...]:
+        return self.snapshot().active_request_ids
+
+    async def generate(self, new: NewRequest) -> RequestStream:
+        """Add a request; raises InvalidRequestError here if the engine refuses it, else returns its stream."""
+        self._check_running()
+        if not new.request_id:
+            raise InvalidRequestError("request_id", "must not be empty")
+        stream = self._new_stream(new.request_id, len(new.prompt_token_ids) + len(new.delivered_token_ids))
+        return await self._added(stream, self._submit_add(new, stream))
+
+    def _new_stream(self, request_id: str, num_prompt_tokens: int) -> RequestStream:
+        if request_id in self._streams:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        stream = RequestStream(self, request_id, num_prompt_tokens)
+        self._streams[request_id] = stream
+        return stream
+
+    async def _added(self, stream: RequestStream, ack: asyncio.Future[None]) -> RequestStream:
+        """`stream` once the engine acknowledged its add; a refused add forgets it, a cancelled wait aborts it."""
+        try:
+            await ack
+        except asyncio.CancelledError:
+            stream.close()  # the add may have gone through: abort it
+            raise
+        except BaseException:
+            self._forget(stream)
+            raise
+        return stream
+
+    def _forget(self, stream: RequestStream) -> None:
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+
+    def _check_running(self) -> None:
+        raise NotImplementedError
+
+    def _submit_add(self, new: NewRequest, stream: RequestStream) -> asyncio.Future[None]:
+        raise NotImplementedError
+
+    def _abort_soon(self, request_id: str) -> None:
+        raise NotImplementedError
+
+
+class AsyncEngine(StreamOwner):
     def __init__(self, engine_factory: EngineFactory, check_integrity_when_idle: bool = True,
                  stream_interval_s: float = 0.0):
         """`stream_interval_s`: release running requests' tokens at most this often (stream_pacer.py)."""
+        super().__init__()
         self._pacer = StreamPacer(stream_interval_s)
         self._factory = engine_factory
         self._check_integrity_when_idle = check_integrity_when_idle
@@ -93,10 +155,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._engine: LLMEngine | None = None
-        self._snapshot: EngineSnapshot | None = None
         self._failure: BaseException | None = None
         self._stopped: asyncio.Future[None] | None = None
-        self._streams: dict[str, RequestStream] = {}  # loop side: open streams, for duplicate ids
         self._active: dict[str, RequestStream] = {}  # engine-thread side: requests the engine holds
         self.integrity_ok = True
 
@@ -133,39 +193,11 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._engine is not None and self._failure is None and not self._stopping
 
-    def snapshot(self) -> EngineSnapshot:
-        if self._snapshot is None:
-            raise RuntimeError("AsyncEngine not started")
-        return self._snapshot
-
-    def stats(self) -> EngineStats:
-        return self.snapshot().stats
-
-    def active_request_ids(self) -> tuple[str, ...]:
-        return self.snapshot().active_request_ids
-
     # ---- requests (loop side) ----------------------------------------------------------------------
-    async def generate(self, new: NewRequest) -> RequestStream:
-        """Add a request; raises InvalidRequestError here if the engine refuses it, else returns its stream."""
-        self._check_running()
-        request_id = new.request_id
-        if not request_id:
-            raise InvalidRequestError("request_id", "must not be empty")
-        if request_id in self._streams:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        stream = RequestStream(self, request_id, len(new.prompt_token_ids) + len(new.delivered_token_ids))
-        self._streams[request_id] = stream
+    def _submit_add(self, new: NewRequest, stream: RequestStream) -> asyncio.Future[None]:
         ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._submit(_Add(request_id, stream, ack, new=new))
-        try:
-            await ack
-        except asyncio.CancelledError:
-            stream.close()  # the add may have gone through: abort it
-            raise
-        except BaseException:
-            self._forget(stream)
-            raise
-        return stream
+        self._submit(_Add(new.request_id, stream, ack, new=new))
+        return ack
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run fn(engine) on the engine thread between steps and return its result (or raise its error)."""
@@ -178,21 +210,10 @@ class AsyncEngine:
         """Admit a remotely prefilled request into the running batch; its stream starts with the first token."""
         self._check_running()
         request = prefilled.request
-        if request.request_id in self._streams:
-            raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
-        stream = RequestStream(self, request.request_id, request.num_prompt_tokens)
-        self._streams[request.request_id] = stream
+        stream = self._new_stream(request.request_id, request.num_prompt_tokens)
         ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._submit(_Add(request.request_id, stream, ack, prefilled=prefilled))
-        try:
-            await ack
-        except asyncio.CancelledError:
-            stream.close()  # the engine admits it anyway (or frees it if it cannot): abort it
-            raise
-        except BaseException:
-            self._forget(stream)
-            raise
-        return stream
+        return await self._added(stream, ack)  # cancelled: the engine admits it anyway (or frees it), then aborts
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request now; its stream ends with an ABORT output. False if the engine did not hold it."""
@@ -214,10 +235,6 @@ class AsyncEngine:
                 self._cond.notify()
                 return
         _settle(command.ack, None, EngineDeadError("engine stopped"))
-
-    def _forget(self, stream: RequestStream) -> None:
-        if self._streams.get(stream.request_id) is stream:
-            del self._streams[stream.request_id]
 
     def _abort_soon(self, request_id: str) -> None:
         if self._failure is None and not self._stopping:
@@ -359,7 +376,7 @@ class AsyncEngine:
 class RequestStream:
     """Async iterator over one request's outputs; outputs waiting together come out merged into one."""
 
-    def __init__(self, owner: AsyncEngine, request_id: str, num_prompt_tokens: int):
+    def __init__(self, owner: StreamOwner, request_id: str, num_prompt_tokens: int):
         self.request_id = request_id
         self._owner = owner
         self._inbox: Inbox[Any] = Inbox(f"request {request_id}")  # outputs, _ABORTED or an exception

@@ -23,12 +23,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from flotilla.engine.async_engine import _ABORTED, EngineDeadError, EngineSnapshot, RequestStream, _settle
+from flotilla.engine.async_engine import _ABORTED, EngineDeadError, RequestStream, StreamOwner, _settle
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.engine_core import EngineFacts, Sender, run
-from flotilla.engine.errors import InvalidRequestError
 from flotilla.engine.new_request import NewRequest
-from flotilla.engine.outputs import EngineStats
 from flotilla.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -47,8 +45,9 @@ class EngineView:
         self.tokenizer = Tokenizer.from_pretrained(config.model_dir)
 
 
-class ProcessEngine:
+class ProcessEngine(StreamOwner):
     def __init__(self, config: EngineConfig, check_integrity_when_idle: bool = True, stream_interval_s: float = 0.0):
+        super().__init__()
         self._config = config
         self._check_integrity_when_idle = check_integrity_when_idle
         self._stream_interval_s = stream_interval_s
@@ -57,13 +56,11 @@ class ProcessEngine:
         self._sender: Sender | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._view: EngineView | None = None
-        self._snapshot: EngineSnapshot | None = None
         self._failure: BaseException | None = None
         self._stopping = False
         self._stopped: asyncio.Future[None] | None = None
         self._tokens = itertools.count(1)
         self._pending: dict[int, tuple[asyncio.Future[Any], RequestStream | None]] = {}  # token -> its waiter
-        self._streams: dict[str, RequestStream] = {}  # open streams, for duplicate ids
         self._active: dict[str, RequestStream] = {}  # requests the child holds (its adds acknowledged)
         self._receiver: threading.Thread | None = None
         self.integrity_ok = True
@@ -134,37 +131,9 @@ class ProcessEngine:
     def pid(self) -> int | None:
         return None if self._process is None else self._process.pid
 
-    def snapshot(self) -> EngineSnapshot:
-        if self._snapshot is None:
-            raise RuntimeError("ProcessEngine not started")
-        return self._snapshot
-
-    def stats(self) -> EngineStats:
-        return self.snapshot().stats
-
-    def active_request_ids(self) -> tuple[str, ...]:
-        return self.snapshot().active_request_ids
-
     # ---- requests ----------------------------------------------------------------------------------
-    async def generate(self, new: NewRequest) -> RequestStream:
-        """Add a request; raises InvalidRequestError here if the engine refuses it, else returns its stream."""
-        self._check_running()
-        request_id = new.request_id
-        if not request_id:
-            raise InvalidRequestError("request_id", "must not be empty")
-        if request_id in self._streams:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        stream = RequestStream(self, request_id, len(new.prompt_token_ids) + len(new.delivered_token_ids))
-        self._streams[request_id] = stream
-        try:
-            await self._command("add", new, stream)
-        except asyncio.CancelledError:
-            stream.close()  # the add may have gone through: abort it
-            raise
-        except BaseException:
-            self._forget(stream)
-            raise
-        return stream
+    def _submit_add(self, new: NewRequest, stream: RequestStream) -> asyncio.Future[None]:
+        return self._command("add", new, stream)
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """fn(engine) in the child between steps; fn and its result must pickle (a module-level function)."""
@@ -190,10 +159,6 @@ class ProcessEngine:
         self._pending[token] = (future, stream)
         self._sender.send((kind, payload, token))
         return future
-
-    def _forget(self, stream: RequestStream) -> None:
-        if self._streams.get(stream.request_id) is stream:
-            del self._streams[stream.request_id]
 
     def _abort_soon(self, request_id: str) -> None:
         if self._failure is None and not self._stopping:
