@@ -27,6 +27,22 @@ static inline void prefetch_row(const float *next_block, int64_t offset, int64_t
     for (int64_t byte = 0; byte < token_stride * (int64_t)sizeof(float); byte += 64) __builtin_prefetch(row + byte);
 }
 
+/* The keys t..end-1 of `block` in one K or V cache: the first one's row, and the next block's first row to
+ * prefetch (NULL after the last block). */
+typedef struct {
+    const float *row;
+    const float *next_block;
+    int64_t end;
+} BlockSpan;
+
+static inline BlockSpan block_span(const float *cache, const int64_t *table, int64_t block, int64_t t,
+                                   int64_t context_len, int64_t block_size, int64_t token_stride) {
+    const int64_t end = (block + 1) * block_size < context_len ? (block + 1) * block_size : context_len;
+    BlockSpan span = {cache + (table[block] * block_size + t - block * block_size) * token_stride, NULL, end};
+    if (end < context_len) span.next_block = cache + table[block + 1] * block_size * token_stride;
+    return span;
+}
+
 /* One sequence, all heads, over keys first..context_len-1, three passes: scores (reads K once, token-major so
  * each token's heads are one contiguous read), softmax (vectorised expf over the keys), weighted sum of V (reads
  * V once). Keys are walked block by block and heads by KV head then query head of its group: no integer
@@ -39,11 +55,10 @@ static void attend_sequence(const float *q, const float *k_cache, const float *v
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t num_keys = context_len - first;
     for (int64_t block = first / block_size, t = first; t < context_len; block++) {
-        const int64_t block_end = (block + 1) * block_size < context_len ? (block + 1) * block_size : context_len;
-        const float *k_token = k_cache + (table[block] * block_size + t - block * block_size) * token_stride;
-        const float *next_block = block_end < context_len ? k_cache + table[block + 1] * block_size * token_stride : NULL;
-        for (; t < block_end; t++, k_token += token_stride) {
-            prefetch_row(next_block, t - block * block_size, token_stride);
+        const BlockSpan span = block_span(k_cache, table, block, t, context_len, block_size, token_stride);
+        const float *k_token = span.row;
+        for (; t < span.end; t++, k_token += token_stride) {
+            prefetch_row(span.next_block, t - block * block_size, token_stride);
             float *score_t = scores + t - first;
             for (int64_t j = 0; j < num_kv_heads; j++) {
                 const float *k = k_token + j * head_dim;
@@ -73,11 +88,10 @@ static void attend_sequence(const float *q, const float *k_cache, const float *v
     }
     memset(out, 0, sizeof(float) * num_heads * head_dim);
     for (int64_t block = first / block_size, t = first; t < context_len; block++) {
-        const int64_t block_end = (block + 1) * block_size < context_len ? (block + 1) * block_size : context_len;
-        const float *v_token = v_cache + (table[block] * block_size + t - block * block_size) * token_stride;
-        const float *next_block = block_end < context_len ? v_cache + table[block + 1] * block_size * token_stride : NULL;
-        for (; t < block_end; t++, v_token += token_stride) {
-            prefetch_row(next_block, t - block * block_size, token_stride);
+        const BlockSpan span = block_span(v_cache, table, block, t, context_len, block_size, token_stride);
+        const float *v_token = span.row;
+        for (; t < span.end; t++, v_token += token_stride) {
+            prefetch_row(span.next_block, t - block * block_size, token_stride);
             const float *p_t = scores + t - first;
             for (int64_t j = 0; j < num_kv_heads; j++) {
                 const float *v = v_token + j * head_dim;
