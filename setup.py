@@ -47,5 +47,5 @@ setup(
     packages=packages,
     package_dir=package_dir,
     # The decode kernel is compiled from its C source on first use, so the source ships with the package.
-    package_data={"flotilla.engine.model": ["csrc/*.c"], "flotilla.api": ["**/*.pyi"]},
+    package_data={"flotilla.engine.model": ["csrc/*.c", "csrc/*.h"], "flotilla.api": ["**/*.pyi"]},
 )

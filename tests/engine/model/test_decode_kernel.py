@@ -68,3 +68,42 @@ def test_kernel_reads_only_the_context():
         torch.ones(1, 1, 4), kv_cache, torch.tensor([[2, 3]]), torch.tensor([1])
     )
     torch.testing.assert_close(out, torch.ones(1, 1, 4))
+
+
+def _reference(q, kv_cache, tables, lens, scale, window, softcap):
+    """Decode attention in float64 straight from the definition: each sequence's keys gathered through its table."""
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    group = q.shape[1] // num_kv_heads
+    out = torch.empty_like(q)
+    for b, length in enumerate(lens.tolist()):
+        rows = [tables[b, t // block_size].item() * block_size + t % block_size for t in range(length)]
+        first = max(0, length - window) if window else 0
+        k, v = (kv_cache[i].reshape(-1, num_kv_heads, head_dim)[rows[first:]].double() for i in (0, 1))
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [T, H, D]
+        scores = torch.einsum("hd,thd->ht", q[b].double(), k) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        out[b] = torch.einsum("ht,thd->hd", scores.softmax(-1), v).float()
+    return out
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"),
+                         [(8, 4, 32, 16), (12, 4, 64, 16), (4, 1, 128, 16), (6, 3, 24, 16), (4, 2, 20, 16),
+                          (8, 8, 64, 5), (9, 3, 64, 32)])
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (37, None), (None, 3.0)])
+def test_kernel_matches_the_definition_on_long_scattered_contexts(num_heads, num_kv_heads, head_dim, block_size,
+                                                                  window, softcap):
+    """The head sizes with code of their own (32, 64, 128), others that are multiples of 8 (24) or not (20), keys
+    scored eight at a time with tiles cut by block ends (block size 5, 32) and by a window's first key, and
+    contexts whose length is no multiple of anything: all equal the definition."""
+    torch.manual_seed(2)
+    lens = torch.tensor([1, 7, 8, 9, 17, 63, 100, 203], dtype=torch.int64)
+    width = int((lens.max() + block_size - 1) // block_size)
+    num_blocks = len(lens) * width + 3
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim)
+    tables = torch.randperm(num_blocks)[: len(lens) * width].view(len(lens), width).contiguous()
+    q = torch.randn(len(lens), num_heads, head_dim)
+    scale = head_dim ** -0.5
+    out = decode_kernel.paged_decode_attention(q, kv_cache, tables, lens, scale=scale, window=window, softcap=softcap)
+    torch.testing.assert_close(out, _reference(q, kv_cache, tables, lens, scale, window, softcap),
+                               atol=2e-5, rtol=2e-5)

@@ -1,4 +1,4 @@
-"""C kernels under csrc/: built with the system C compiler on first use, cached by source and flags digest,
+"""C kernels under csrc/ (with the headers there): built with the system C compiler on first use, cached by source and flags digest,
 loaded through ctypes. Where one cannot be built (no compiler) or FLOTILLA_DISABLE_KERNELS is set, `load()`
 returns None (logged once) and callers use their torch path."""
 
@@ -47,7 +47,7 @@ class KernelLibrary:
             return self._loaded
         with self._lock:
             if self._loaded is None and not self._failed:
-                digest = hashlib.sha256(self.source.read_bytes() + " ".join(self.cflags).encode()).hexdigest()[:16]
+                digest = hashlib.sha256(self._inputs()).hexdigest()[:16]
                 target = _cache_dir() / f"{self.source.stem}-{digest}.so"
                 try:
                     if not target.exists():
@@ -59,6 +59,12 @@ class KernelLibrary:
                     log.warning("CPU kernel %s unavailable, using the torch path: %s", self.source.name, error)
                     self._failed = True
         return self._loaded
+
+    def _inputs(self) -> bytes:
+        """What the built library depends on: the source, the headers beside it (csrc/*.h, which the sources
+        include) and the flags; a change to any of them builds afresh."""
+        headers = b"".join(header.read_bytes() for header in sorted(CSRC.glob("*.h")))
+        return self.source.read_bytes() + headers + " ".join(self.cflags).encode()
 
     def _build(self, target: Path) -> None:
         compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")

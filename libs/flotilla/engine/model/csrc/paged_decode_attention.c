@@ -18,13 +18,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Ask for the row of token `offset` of the next block while this block's row is read: blocks lie anywhere in
- * the cache, so the hardware prefetcher, which follows addresses, cannot see the next one coming (reading K/V
- * through scattered blocks ran at about half the speed of reading them in order). */
-static inline void prefetch_row(const float *next_block, int64_t offset, int64_t token_stride) {
+#include "vector_exp.h"
+
+/* Ask for `floats` of the row of token `offset` of the next block while this block's row is read: blocks lie
+ * anywhere in the cache, so the hardware prefetcher, which follows addresses, cannot see the next one coming
+ * (reading K/V through scattered blocks ran at about half the speed of reading them in order). */
+static inline void prefetch_row(const float *next_block, int64_t offset, int64_t token_stride, int64_t floats) {
     if (next_block == NULL) return;
     const char *row = (const char *)(next_block + offset * token_stride);
-    for (int64_t byte = 0; byte < token_stride * (int64_t)sizeof(float); byte += 64) __builtin_prefetch(row + byte);
+    for (int64_t byte = 0; byte < floats * (int64_t)sizeof(float); byte += 64) __builtin_prefetch(row + byte);
 }
 
 /* The keys t..end-1 of `block` in one K or V cache: the first one's row, and the next block's first row to
@@ -43,55 +45,151 @@ static inline BlockSpan block_span(const float *cache, const int64_t *table, int
     return span;
 }
 
-/* One sequence, all heads, over keys first..context_len-1, three passes: scores (reads K once, token-major so
- * each token's heads are one contiguous read), softmax (vectorised expf over the keys), weighted sum of V (reads
- * V once). Keys are walked block by block and heads by KV head then query head of its group: no integer
- * division in the loops (a 64-bit divide per token and per head was about half of the kernel's time). */
-static void attend_sequence(const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
-                            int64_t first, int64_t context_len, int64_t block_size, int64_t num_heads,
-                            int64_t num_kv_heads, int64_t head_dim, float scale, float softcap, float *scores,
-                            float *out) {
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TILE 8 /* keys scored together: their 8 dot products are summed into one vector by one add tree */
+
+/* q . k_i for the TILE keys i whose rows start at k, token_stride apart, over D features (D % 8 == 0), as one
+ * vector of TILE scores: each key's products accumulate in its own register (no horizontal sum per key; that
+ * was most of the K pass), then one hadd tree folds the eight into one. */
+static inline __attribute__((always_inline)) __m256 dot_tile(const float *q, const float *k, int64_t token_stride,
+                                                             const int64_t D) {
+    __m256 acc[TILE];
+    for (int i = 0; i < TILE; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(q + d);
+        for (int i = 0; i < TILE; i++) acc[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + i * token_stride + d), acc[i]);
+    }
+    const __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
+    const __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]), s67 = _mm256_hadd_ps(acc[6], acc[7]);
+    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    /* each 128-bit half holds keys 0-3 (s0123) or 4-7 (s4567) summed over half of the features */
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+/* out_h = sum_t p_h[t] * v_t over keys first..context_len-1 for one query head h of KV head j (D % 8 == 0,
+ * D <= 128): the D features accumulate in registers across all the keys, two keys at a time (two independent
+ * chains hide the FMA latency). */
+static inline __attribute__((always_inline)) void weigh_values(const float *p, const float *v_cache,
+                                                               const int64_t *table, int64_t first,
+                                                               int64_t context_len, int64_t block_size,
+                                                               int64_t token_stride, float *out, const int64_t D) {
+    __m256 even[16], odd[16];
+    for (int64_t d = 0; d < D / 8; d++) even[d] = odd[d] = _mm256_setzero_ps();
+    for (int64_t block = first / block_size, t = first; t < context_len; block++) {
+        const BlockSpan span = block_span(v_cache, table, block, t, context_len, block_size, token_stride);
+        const float *v = span.row;
+        for (; t + 1 < span.end; t += 2, v += 2 * token_stride) {
+            prefetch_row(span.next_block, t - block * block_size, token_stride, D);  /* this head's part only */
+            prefetch_row(span.next_block, t + 1 - block * block_size, token_stride, D);
+            const __m256 p0 = _mm256_broadcast_ss(p + t - first), p1 = _mm256_broadcast_ss(p + t + 1 - first);
+            for (int64_t d = 0; d < D / 8; d++) {
+                even[d] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v + 8 * d), even[d]);
+                odd[d] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v + token_stride + 8 * d), odd[d]);
+            }
+        }
+        if (t < span.end) {
+            const __m256 p0 = _mm256_broadcast_ss(p + t - first);
+            for (int64_t d = 0; d < D / 8; d++) even[d] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v + 8 * d), even[d]);
+            t++;
+        }
+    }
+    for (int64_t d = 0; d < D / 8; d++) _mm256_storeu_ps(out + 8 * d, _mm256_add_ps(even[d], odd[d]));
+}
+#endif
+
+static inline float capped(float score, float softcap) {
+    return softcap > 0.0f ? softcap * tanhf(score / softcap) : score;
+}
+
+/* Scores of keys first..context_len-1 for every head, token-major: each key's row (all its KV heads) is read
+ * once, and a tile of TILE keys is scored per query head at a time where D allows. */
+static inline __attribute__((always_inline)) void score_keys(const float *q, const float *k_cache,
+                                                             const int64_t *table, int64_t first, int64_t context_len,
+                                                             int64_t block_size, int64_t num_heads,
+                                                             int64_t num_kv_heads, float scale, float softcap,
+                                                             float *scores, const int64_t D) {
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t token_stride = num_kv_heads * head_dim;
+    const int64_t token_stride = num_kv_heads * D;
     const int64_t num_keys = context_len - first;
     for (int64_t block = first / block_size, t = first; t < context_len; block++) {
         const BlockSpan span = block_span(k_cache, table, block, t, context_len, block_size, token_stride);
         const float *k_token = span.row;
+#if defined(__AVX2__) && defined(__FMA__)
+        if (D % 8 == 0) {
+            for (; t + TILE <= span.end; t += TILE, k_token += TILE * token_stride) {
+                for (int i = 0; i < TILE; i++)
+                    prefetch_row(span.next_block, t + i - block * block_size, token_stride, token_stride);
+                for (int64_t j = 0; j < num_kv_heads; j++) {
+                    for (int64_t h = j * group; h < (j + 1) * group; h++) {
+                        float *row = scores + h * num_keys + t - first;
+                        _mm256_storeu_ps(row, _mm256_mul_ps(dot_tile(q + h * D, k_token + j * D, token_stride, D),
+                                                            _mm256_set1_ps(scale)));
+                        if (softcap > 0.0f)
+                            for (int i = 0; i < TILE; i++) row[i] = capped(row[i], softcap);
+                    }
+                }
+            }
+        }
+#endif
         for (; t < span.end; t++, k_token += token_stride) {
-            prefetch_row(span.next_block, t - block * block_size, token_stride);
+            prefetch_row(span.next_block, t - block * block_size, token_stride, token_stride);
             float *score_t = scores + t - first;
             for (int64_t j = 0; j < num_kv_heads; j++) {
-                const float *k = k_token + j * head_dim;
+                const float *k = k_token + j * D;
                 for (int64_t h = j * group; h < (j + 1) * group; h++) {
-                    const float *qh = q + h * head_dim;
+                    const float *qh = q + h * D;
                     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < head_dim; d++) dot += qh[d] * k[d];
-                    const float score = dot * scale;
-                    score_t[h * num_keys] = softcap > 0.0f ? softcap * tanhf(score / softcap) : score;
+                    for (int64_t d = 0; d < D; d++) dot += qh[d] * k[d];
+                    score_t[h * num_keys] = capped(dot * scale, softcap);
                 }
             }
         }
     }
+}
+
+/* Each head's scores in place become its softmax: exp eight keys at a time (exp8; libm's expf is a scalar call). */
+static void softmax_rows(float *scores, int64_t num_heads, int64_t num_keys) {
     for (int64_t h = 0; h < num_heads; h++) {
         float *row = scores + h * num_keys;
-        float max_score = -INFINITY, total = 0.0f;
+        float max_score = -INFINITY;
+#pragma omp simd reduction(max : max_score)
         for (int64_t t = 0; t < num_keys; t++) max_score = row[t] > max_score ? row[t] : max_score;
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < num_keys; t++) {
+        v8f sums = {0};
+        int64_t t = 0;
+        for (; t + 8 <= num_keys; t += 8) {
+            v8f x;
+            memcpy(&x, row + t, sizeof x);
+            x = exp8(x - max_score);
+            memcpy(row + t, &x, sizeof x);
+            sums += x;
+        }
+        float total = 0.0f;
+        for (int i = 0; i < 8; i++) total += sums[i];
+        for (; t < num_keys; t++) {
             row[t] = expf(row[t] - max_score);
             total += row[t];
         }
         const float inv = 1.0f / total;
 #pragma omp simd
-        for (int64_t t = 0; t < num_keys; t++) row[t] *= inv;
+        for (t = 0; t < num_keys; t++) row[t] *= inv;
     }
+}
+
+/* out = the probabilities times V, for every head; V's rows token-major, each read once. */
+static void weigh_values_any(const float *scores, const float *v_cache, const int64_t *table, int64_t first,
+                             int64_t context_len, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_dim, float *out) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t token_stride = num_kv_heads * head_dim;
+    const int64_t num_keys = context_len - first;
     memset(out, 0, sizeof(float) * num_heads * head_dim);
     for (int64_t block = first / block_size, t = first; t < context_len; block++) {
         const BlockSpan span = block_span(v_cache, table, block, t, context_len, block_size, token_stride);
         const float *v_token = span.row;
         for (; t < span.end; t++, v_token += token_stride) {
-            prefetch_row(span.next_block, t - block * block_size, token_stride);
+            prefetch_row(span.next_block, t - block * block_size, token_stride, token_stride);
             const float *p_t = scores + t - first;
             for (int64_t j = 0; j < num_kv_heads; j++) {
                 const float *v = v_token + j * head_dim;
@@ -104,6 +202,45 @@ static void attend_sequence(const float *q, const float *k_cache, const float *v
             }
         }
     }
+}
+
+/* One sequence, all heads, over keys first..context_len-1, three passes: scores (K read once), softmax
+ * (vectorised expf over the keys), the weighted sum of V. Keys are walked block by block and heads by KV head
+ * then query head of its group: no integer division in the loops (a 64-bit divide per token and per head was
+ * about half of the kernel's time). The common head sizes get code of their own (D a constant: loops unrolled,
+ * a head's output kept in registers). */
+static inline __attribute__((always_inline)) void attend_sequence_d(
+    const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int64_t first,
+    int64_t context_len, int64_t block_size, int64_t num_heads, int64_t num_kv_heads, float scale, float softcap,
+    float *scores, float *out, const int64_t D) {
+    const int64_t num_keys = context_len - first;
+    score_keys(q, k_cache, table, first, context_len, block_size, num_heads, num_kv_heads, scale, softcap, scores, D);
+    softmax_rows(scores, num_heads, num_keys);
+#if defined(__AVX2__) && defined(__FMA__)
+    if (D % 8 == 0 && D <= 128) {
+        const int64_t group = num_heads / num_kv_heads;
+        for (int64_t h = 0; h < num_heads; h++)
+            weigh_values(scores + h * num_keys, v_cache + (h / group) * D, table, first, context_len, block_size,
+                         num_kv_heads * D, out + h * D, D);
+        return;
+    }
+#endif
+    weigh_values_any(scores, v_cache, table, first, context_len, block_size, num_heads, num_kv_heads, D, out);
+}
+
+static void attend_sequence(const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
+                            int64_t first, int64_t context_len, int64_t block_size, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, float scale, float softcap, float *scores,
+                            float *out) {
+#define ATTEND(D) attend_sequence_d(q, k_cache, v_cache, table, first, context_len, block_size, num_heads, \
+                                    num_kv_heads, scale, softcap, scores, out, D)
+    switch (head_dim) {
+        case 32: ATTEND(32); break;
+        case 64: ATTEND(64); break;
+        case 128: ATTEND(128); break;
+        default: ATTEND(head_dim);
+    }
+#undef ATTEND
 }
 
 int paged_decode_attention_f32(const float *q, const float *kv, const int64_t *block_tables,
