@@ -381,14 +381,15 @@ def _decode_attention(q, kv_cache, batch: DecodeBatch, out: torch.Tensor, scores
 
 
 def _decode_with_kernel(q, kv_cache, rows: DecodeRows, out: torch.Tensor, scale, window, softcap) -> None:
-    queries = q[rows.token_slice] if rows.token_slice is not None else q[rows.token_indices]
+    if rows.token_slice is not None:  # decode rows side by side: the kernel writes the layer's output in place
+        decode_kernel.paged_decode_attention(q[rows.token_slice], kv_cache, rows.block_tables, rows.context_lens,
+                                             scale=scale, window=window, softcap=softcap, out=out[rows.token_slice])
+        return
     result = decode_kernel.paged_decode_attention(
-        queries, kv_cache, rows.block_tables, rows.context_lens, scale=scale, window=window, softcap=softcap
+        q[rows.token_indices], kv_cache, rows.block_tables, rows.context_lens, scale=scale, window=window,
+        softcap=softcap,
     )
-    if rows.token_slice is not None:
-        out[rows.token_slice] = result
-    else:
-        out.index_copy_(0, rows.token_indices, result)
+    out.index_copy_(0, rows.token_indices, result)
 
 
 def _prefill_attention(q, kv_cache, chunk: PrefillChunk, scores: _Scores) -> torch.Tensor:

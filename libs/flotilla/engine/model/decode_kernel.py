@@ -44,11 +44,16 @@ def paged_decode_attention(
     scale: float | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] -> [B, H, D]; kv_cache [2, num_blocks, block_size, H_kv, D]; block_tables [B, W] int64.
-    scale: of q.k (None: D ** -0.5); window: attend to the last `window` keys only; softcap: tanh soft-cap."""
+    scale: of q.k (None: D ** -0.5); window: attend to the last `window` keys only; softcap: tanh soft-cap.
+    out: a contiguous [B, H, D] float32 tensor to write into (the layer's output rows: no copy afterwards)."""
     q = q.contiguous()
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or not out.is_contiguous() or out.dtype != q.dtype:
+        raise ValueError(f"out must be a contiguous {tuple(q.shape)} {q.dtype} tensor, got {tuple(out.shape)}")
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     status = load().paged_decode_attention_f32(
         q.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(),
