@@ -205,7 +205,8 @@ static void weigh_values_any(const float *scores, const float *v_cache, const in
 }
 
 /* One sequence, all heads, over keys first..context_len-1, three passes: scores (K read once), softmax
- * (vectorised expf over the keys), the weighted sum of V. Keys are walked block by block and heads by KV head
+ * (exp8 over the keys), the weighted sum of V (with AVX2 head by head, each query head of a group reading its KV
+ * head's rows again from cache). Keys are walked block by block and heads by KV head
  * then query head of its group: no integer division in the loops (a 64-bit divide per token and per head was
  * about half of the kernel's time). The common head sizes get code of their own (D a constant: loops unrolled,
  * a head's output kept in registers). */
