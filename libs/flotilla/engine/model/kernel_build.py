@@ -1,6 +1,6 @@
-"""C kernels under csrc/ (with the headers there): built with the system C compiler on first use, cached by source and flags digest,
-loaded through ctypes. Where one cannot be built (no compiler) or FLOTILLA_DISABLE_KERNELS is set, `load()`
-returns None (logged once) and callers use their torch path."""
+"""C kernels under csrc/: built with the system C compiler on first use, cached by a digest of the source, the
+headers beside it and the flags, loaded through ctypes. Where one cannot be built (no compiler) or
+FLOTILLA_DISABLE_KERNELS is set, `load()` returns None (logged once) and callers use their torch path."""
 
 from __future__ import annotations
 
