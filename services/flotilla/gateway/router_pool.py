@@ -3,10 +3,11 @@ happens when that router is gone.
 
 Each model name is owned by one router at a time: the routers are ranked per model by rendezvous hashing of
 (router address, model name) (rpc/router_ownership.py), the same ranking in every gateway that was given the same
-addresses, so that one router holds a model's queues and its tenants' fair shares. A router that failed a call
-with UNAVAILABLE, or did not answer the last probe (ListModels every probe_interval_s), ranks last until a probe
-reaches it again; a router that answers but does not list the model (it restarted and its workers have not
-registered again yet) ranks after those that do. A stream lost with its router is re-submitted to the next one (router_resume.py).
+addresses, so that one router holds a model's queues and its tenants' fair shares. A router a call was lost
+with (LOST_ROUTER_STATUSES), or that did not answer the last probe (ListModels every probe_interval_s), ranks last
+until a probe reaches it again; a router that answers but does not list the model (it restarted and its workers
+have not registered again yet) ranks after those that do. A stream lost with its router is re-submitted to the
+next one (router_resume.py).
 
 `routers_for(model)` / `router_for(model)` are the seam for code that talks to the router itself (placement);
 generate, batch_generate, list_models and get_model_assets are the RouterBackend the app uses.
@@ -47,7 +48,7 @@ RECONNECT_GRACE_S = 3.0
 @dataclass(eq=False)
 class _Router:
     client: RouterClient
-    down: bool = False  # a call failed with UNAVAILABLE or the last probe did not answer
+    down: bool = False  # a call lost the router (LOST_ROUTER_STATUSES) or the last probe did not answer
     models: frozenset[str] | None = None  # names (and aliases) it listed last; None: not asked yet
 
 
@@ -87,7 +88,7 @@ class RouterPool:
         return self._aliases.get(name, name)
 
     def mark_unreachable(self, client: RouterClient) -> None:
-        """A call to `client` failed with UNAVAILABLE: rank it last until a probe reaches it again."""
+        """A call to `client` lost its router: rank it last until a probe reaches it again."""
         router = self._by_client[client]
         if not router.down:
             log.warning("router %s unreachable; failing over", client.address)
@@ -118,9 +119,11 @@ class RouterPool:
                 wait.cancel()
 
     def on_call_error(self, client: RouterClient, err: grpc.RpcError) -> bool:
-        """True when `err` means the router, not the request, failed (then it is marked unreachable)."""
+        """True when `err` means the router, not the request, failed; then it is marked unreachable, whichever
+        of LOST_ROUTER_STATUSES said so (a write that met the dead connection is INTERNAL, not UNAVAILABLE, and
+        wait_reconnected only waits for routers marked down)."""
         code = err.code() if hasattr(err, "code") else None
-        if code == grpc.StatusCode.UNAVAILABLE:
+        if code in LOST_ROUTER_STATUSES:
             self.mark_unreachable(client)
         return code in LOST_ROUTER_STATUSES
 
