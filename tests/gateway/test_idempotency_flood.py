@@ -1,5 +1,6 @@
 """10,000 unauthenticated Idempotency-Keys through the real app with the in-process idempotency store (the one a
-gateway without Redis uses): every one is a 401 and the store holds none of them. (The same with the Redis store,
+gateway without Redis uses), the middleware set up as the gateway sets it up: every one is a 401, the store was
+never asked (no claim, no entry), and a request with a valid key asks the key store once. (The Redis store,
 through the gateway process: tests/fleet/faults/test_client_retries.py.)"""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import orjson
 
 from flotilla.gateway.app import create_app
-from flotilla.gateway.idempotency import IdempotencyMiddleware, MemoryIdempotencyStore
+from flotilla.gateway.idempotency import IdempotencyMiddleware, MemoryIdempotencyStore, caller_check_for
 from flotilla.gateway.settings import GatewaySettings
 from flotilla.tenancy.keys import KeyEntry, KeyStore, generate_key, hash_key, write_keys_file
 
@@ -15,18 +16,43 @@ NUM_KEYS = 10_000
 BODY = orjson.dumps({"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})
 
 
-async def test_unauthenticated_idempotency_keys_leave_the_memory_store_empty(tmp_path):
+class CountingStore(MemoryIdempotencyStore):
+    def __init__(self):
+        super().__init__()
+        self.claims = 0
+
+    async def claim(self, key, fingerprint, owner, lease_s):
+        self.claims += 1
+        return await super().claim(key, fingerprint, owner, lease_s)
+
+
+async def test_unauthenticated_idempotency_keys_never_reach_the_memory_store(tmp_path):
     keys_file = tmp_path / "keys.json"
-    write_keys_file(keys_file, [KeyEntry("k", hash_key(generate_key()), "acme", "paid")])
+    valid_key = generate_key()
+    write_keys_file(keys_file, [KeyEntry("k", hash_key(valid_key), "acme", "paid")])
     app = create_app(GatewaySettings(keys_file=keys_file), backend=None, key_store=KeyStore.from_file(keys_file))
-    store = MemoryIdempotencyStore()
-    app.add_middleware(IdempotencyMiddleware, store=store, max_body_bytes=64 * 1024)
+    store = CountingStore()
+    app.add_middleware(IdempotencyMiddleware, store=store, max_body_bytes=64 * 1024,
+                       caller_check=caller_check_for(app))  # as the gateway sets it up (fault_tolerance.py)
     statuses = [await _post(app, "/v1/messages" if i % 3 == 0 else "/v1/chat/completions",
                             [(b"idempotency-key", f"anon-{i}".encode()),
                              *([(b"x-api-key", f"fl-guess-{i}".encode())] if i % 2 else [])])
                 for i in range(NUM_KEYS)]
     assert set(statuses) == {401}
-    assert len(store) == 0
+    assert store.claims == 0 and len(store) == 0
+
+    gatekeeper = app.state.gateway.gatekeeper
+    lookups = []
+    authenticate = gatekeeper.authenticate
+
+    async def counted(key):
+        lookups.append(key)
+        return await authenticate(key)
+
+    gatekeeper.authenticate = counted
+    status = await _post(app, "/v1/messages", [(b"idempotency-key", b"known"), (b"x-api-key", valid_key.encode())])
+    assert status != 401 and store.claims == 1  # authenticated: the key is claimed (no backend here: not a 200)
+    assert lookups == [valid_key]  # the middleware's answer served the route's authenticate too
 
 
 async def _post(app, path: str, headers: list[tuple[bytes, bytes]]) -> int:

@@ -16,7 +16,7 @@ from starlette.datastructures import Headers
 from flotilla.gateway.errors import ErrorKind, GatewayError
 from flotilla.tenancy.errors import BackendUnavailable
 from flotilla.tenancy.gatekeeper import Gatekeeper
-from flotilla.tenancy.records import PRIORITY_CLASSES, Limits
+from flotilla.tenancy.records import PRIORITY_CLASSES, Limits, TenantKey
 
 PRIORITY_HEADER = "x-flotilla-priority"
 
@@ -41,6 +41,10 @@ class Principal:
 
 
 ANONYMOUS = Principal(key_id="anonymous", tenant="anonymous", tier="paid")
+# The key store's answer for this request's key, when a middleware asked it first (idempotency.py checks the
+# caller before it claims an Idempotency-Key): the route's authenticate reuses it instead of asking again. Set in
+# the request's own task (uvicorn runs each request in one), so it never reaches another request.
+_LOOKED_UP: ContextVar[tuple[str, TenantKey | None] | None] = ContextVar("flotilla_looked_up_key", default=None)
 # Set only around the gateway's own in-process calls (batch_jobs/dispatch.py); a client's request runs in a
 # server task where it is unset, so no header can claim it.
 _ACTING_AS: ContextVar[Principal | None] = ContextVar("flotilla_acting_as", default=None)
@@ -79,7 +83,7 @@ async def authenticate(headers: Headers, gatekeeper: Gatekeeper | None) -> Princ
         raise GatewayError(ErrorKind.AUTHENTICATION, "missing API key: send x-api-key or Authorization: Bearer",
                            code="invalid_api_key")
     try:
-        entry = await gatekeeper.authenticate(key)
+        entry = await _look_up(gatekeeper, key)
     except BackendUnavailable as err:
         raise GatewayError(ErrorKind.UNAVAILABLE, "the key store is unavailable; retry later",
                            code="unavailable") from err
@@ -91,6 +95,29 @@ async def authenticate(headers: Headers, gatekeeper: Gatekeeper | None) -> Princ
                            f"{PRIORITY_HEADER} may only lower it", param=PRIORITY_HEADER, code="permission_denied")
     return Principal(entry.key_id, entry.tenant, entry.tier, priority or entry.priority_class, entry.limits,
                      entry.cache_salt, safety_policy=entry.safety_policy)
+
+
+async def caller_authenticates(headers: Headers, gatekeeper: Gatekeeper | None) -> bool:
+    """False when authenticate would refuse the caller's key (none, or unknown); True otherwise, also when the key
+    store cannot answer (authenticate then answers 503). The key store's answer is kept for authenticate."""
+    if gatekeeper is None or _ACTING_AS.get() is not None:
+        return True
+    key = api_key_from_headers(headers)
+    if key is None:
+        return False
+    try:
+        entry = await gatekeeper.authenticate(key)
+    except BackendUnavailable:
+        return True
+    _LOOKED_UP.set((key, entry))
+    return entry is not None
+
+
+async def _look_up(gatekeeper: Gatekeeper, key: str) -> TenantKey | None:
+    looked_up = _LOOKED_UP.get()
+    if looked_up is not None and looked_up[0] == key:
+        return looked_up[1]
+    return await gatekeeper.authenticate(key)
 
 
 def _rank(priority_class: str) -> int:

@@ -37,11 +37,12 @@ class FaultTolerance:
 
     def install(self, app: FastAPI) -> None:
         """Outermost middlewares (added after create_app's own): resumable streams, then idempotency."""
-        from flotilla.gateway.idempotency import IdempotencyMiddleware, open_store
+        from flotilla.gateway.idempotency import IdempotencyMiddleware, caller_check_for, open_store
         from flotilla.gateway.resumable import ResumableStreamMiddleware
 
         app.add_middleware(IdempotencyMiddleware, store=open_store(self.redis), ledger=self.ledger,
-                           ttl_s=self.settings.idempotency_ttl_s, max_body_bytes=self.settings.max_body_bytes)
+                           ttl_s=self.settings.idempotency_ttl_s, max_body_bytes=self.settings.max_body_bytes,
+                           caller_check=caller_check_for(app))
         app.add_middleware(ResumableStreamMiddleware, grace_s=self.settings.stream_resume_grace_s,
                            max_body_bytes=self.settings.max_body_bytes)
 

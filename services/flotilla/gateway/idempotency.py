@@ -18,11 +18,14 @@ import json
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from flotilla.gateway.auth import caller_authenticates
 from flotilla.gateway.body import decode_json, read_asgi_body
 from flotilla.gateway.dialects import dialect_for_path, error_response
 from flotilla.gateway.errors import ErrorKind, GatewayError
@@ -33,8 +36,9 @@ GENERATION_PATHS = frozenset({"/v1/messages", "/v1/chat/completions", "/v1/compl
 IDEMPOTENT_PATHS = GENERATION_PATHS | {"/v1/batch-generate", "/v1/batches", "/v1/messages/batches"}
 KEY_PREFIX = "flotilla:idem:"
 MAX_KEY_LENGTH = 256
-# Final answers; anything else may be retried. Not 401/403: the app authenticates before any work, so storing
-# its refusals would let anyone without a key fill the store with one entry per Idempotency-Key they invent.
+# Final answers; anything else may be retried. Not 401/403: storing its refusals would let anyone without a key
+# fill the store with one entry per Idempotency-Key they invent (a caller whose key does not authenticate does
+# not reach the store at all: caller_check).
 STORED_STATUSES = frozenset({200, 400, 404, 413})
 MAX_MEMORY_ENTRIES = 100_000  # the in-process store (no Redis) forgets the oldest beyond this
 REPLAYED_HEADERS = frozenset({b"content-type", b"request-id", b"x-request-id"})
@@ -173,10 +177,16 @@ def open_store(redis_client) -> IdempotencyStore:
 
 
 class IdempotencyMiddleware:
+    """`caller_check(scope)`: False when the app will refuse the caller's credential. Such a request goes to the
+    app (its 401 in the dialect's shape) without touching the store: a caller without a key costs no store
+    round trips and no entry (caller_check_for builds it from the app's gatekeeper)."""
+
     def __init__(self, app: ASGIApp, store: IdempotencyStore, ledger=None, ttl_s: float = 24 * 3600.0,
-                 lease_s: float = 5.0, max_wait_s: float = 600.0, max_body_bytes: int = 4 * 1024 * 1024):
+                 lease_s: float = 5.0, max_wait_s: float = 600.0, max_body_bytes: int = 4 * 1024 * 1024,
+                 caller_check: Callable[[Scope], Awaitable[bool]] | None = None):
         self.app = app
         self.store = store
+        self.caller_check = caller_check
         self.ledger = ledger  # flushed before an answer is stored: a replayed answer is always billed
         self.ttl_s = ttl_s
         self.lease_s = lease_s
@@ -195,6 +205,9 @@ class IdempotencyMiddleware:
             return
         if len(key) > MAX_KEY_LENGTH:
             await _error(scope, send, 400, f"Idempotency-Key must be at most {MAX_KEY_LENGTH} characters")
+            return
+        if self.caller_check is not None and not await self.caller_check(scope):
+            await self.app(scope, replay, send)
             return
         await self._once(scope, replay, send, _store_key(scope, key), _fingerprint(scope, body))
 
@@ -245,6 +258,15 @@ class IdempotencyMiddleware:
     async def _renew_forever(self, key: str, owner: str) -> None:
         while await self.store.renew(key, owner, self.lease_s):
             await asyncio.sleep(self.lease_s / 3)
+
+
+def caller_check_for(app: ASGIApp) -> Callable[[Scope], Awaitable[bool]]:
+    """The check of the credential the app's own authenticate will make, against the gatekeeper of `app`
+    (create_app's), asked once per request (auth.py keeps the answer for the route)."""
+    async def check(scope: Scope) -> bool:
+        return await caller_authenticates(Headers(scope=scope), app.state.gateway.gatekeeper)
+
+    return check
 
 
 def _idempotency_key(scope: Scope) -> str | None:
