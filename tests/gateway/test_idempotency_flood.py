@@ -53,6 +53,8 @@ async def test_unauthenticated_idempotency_keys_never_reach_the_memory_store(tmp
     status = await _post(app, "/v1/messages", [(b"idempotency-key", b"known"), (b"x-api-key", valid_key.encode())])
     assert status != 401 and store.claims == 1  # authenticated: the key is claimed (no backend here: not a 200)
     assert lookups == [valid_key]  # the middleware's answer served the route's authenticate too
+    await _post(app, "/v1/messages", [(b"x-api-key", valid_key.encode())])  # no Idempotency-Key: only the route asks
+    assert lookups == [valid_key] * 2  # the answer was forgotten after its request, though this one ran in its task
 
 
 async def _post(app, path: str, headers: list[tuple[bytes, bytes]]) -> int:

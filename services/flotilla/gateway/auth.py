@@ -7,7 +7,7 @@ class, limits and prefix-cache salt. A request may ask for another class with `x
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -42,8 +42,8 @@ class Principal:
 
 ANONYMOUS = Principal(key_id="anonymous", tenant="anonymous", tier="paid")
 # The key store's answer for this request's key, when a middleware asked it first (idempotency.py checks the
-# caller before it claims an Idempotency-Key): the route's authenticate reuses it instead of asking again. Set in
-# the request's own task (uvicorn runs each request in one), so it never reaches another request.
+# caller before it claims an Idempotency-Key): the route's authenticate reuses it instead of asking again. Set
+# around that request's app call only (caller_looked_up).
 _LOOKED_UP: ContextVar[tuple[str, TenantKey | None] | None] = ContextVar("flotilla_looked_up_key", default=None)
 # Set only around the gateway's own in-process calls (batch_jobs/dispatch.py); a client's request runs in a
 # server task where it is unset, so no header can claim it.
@@ -97,20 +97,29 @@ async def authenticate(headers: Headers, gatekeeper: Gatekeeper | None) -> Princ
                      entry.cache_salt, safety_policy=entry.safety_policy)
 
 
-async def caller_authenticates(headers: Headers, gatekeeper: Gatekeeper | None) -> bool:
-    """False when authenticate would refuse the caller's key (none, or unknown); True otherwise, also when the key
-    store cannot answer (authenticate then answers 503). The key store's answer is kept for authenticate."""
+@contextlib.asynccontextmanager
+async def caller_looked_up(headers: Headers, gatekeeper: Gatekeeper | None) -> AsyncIterator[bool]:
+    """Yields False when authenticate would refuse the caller's key (none, or unknown), True otherwise, also when
+    the key store cannot answer (authenticate then answers 503). Inside the block authenticate reuses the key
+    store's answer; it is forgotten when the block ends (an in-process caller may send several requests from one
+    task, and a key revoked in between must not pass)."""
     if gatekeeper is None or _ACTING_AS.get() is not None:
-        return True
+        yield True
+        return
     key = api_key_from_headers(headers)
     if key is None:
-        return False
+        yield False
+        return
     try:
         entry = await gatekeeper.authenticate(key)
     except BackendUnavailable:
-        return True
-    _LOOKED_UP.set((key, entry))
-    return entry is not None
+        yield True
+        return
+    token = _LOOKED_UP.set((key, entry))
+    try:
+        yield entry is not None
+    finally:
+        _LOOKED_UP.reset(token)
 
 
 async def _look_up(gatekeeper: Gatekeeper, key: str) -> TenantKey | None:

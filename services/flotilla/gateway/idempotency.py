@@ -18,14 +18,15 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from flotilla.gateway.auth import caller_authenticates
+from flotilla.gateway.auth import caller_looked_up
 from flotilla.gateway.body import decode_json, read_asgi_body
 from flotilla.gateway.dialects import dialect_for_path, error_response
 from flotilla.gateway.errors import ErrorKind, GatewayError
@@ -42,6 +43,7 @@ MAX_KEY_LENGTH = 256
 STORED_STATUSES = frozenset({200, 400, 404, 413})
 MAX_MEMORY_ENTRIES = 100_000  # the in-process store (no Redis) forgets the oldest beyond this
 REPLAYED_HEADERS = frozenset({b"content-type", b"request-id", b"x-request-id"})
+CallerCheck = Callable[[Scope], AbstractAsyncContextManager[bool]]
 
 
 @dataclass
@@ -177,13 +179,14 @@ def open_store(redis_client) -> IdempotencyStore:
 
 
 class IdempotencyMiddleware:
-    """`caller_check(scope)`: False when the app will refuse the caller's credential. Such a request goes to the
-    app (its 401 in the dialect's shape) without touching the store: a caller without a key costs no store
-    round trips and no entry (caller_check_for builds it from the app's gatekeeper)."""
+    """`caller_check(scope)`: an async context around the request that yields False when the app will refuse the
+    caller's credential. Such a request goes to the app (its 401 in the dialect's shape) without touching the
+    store: a caller without a key costs no store round trips and no entry (caller_check_for builds it from the
+    app's gatekeeper)."""
 
     def __init__(self, app: ASGIApp, store: IdempotencyStore, ledger=None, ttl_s: float = 24 * 3600.0,
                  lease_s: float = 5.0, max_wait_s: float = 600.0, max_body_bytes: int = 4 * 1024 * 1024,
-                 caller_check: Callable[[Scope], Awaitable[bool]] | None = None):
+                 caller_check: CallerCheck | None = None):
         self.app = app
         self.store = store
         self.caller_check = caller_check
@@ -206,10 +209,14 @@ class IdempotencyMiddleware:
         if len(key) > MAX_KEY_LENGTH:
             await _error(scope, send, 400, f"Idempotency-Key must be at most {MAX_KEY_LENGTH} characters")
             return
-        if self.caller_check is not None and not await self.caller_check(scope):
-            await self.app(scope, replay, send)
+        if self.caller_check is None:
+            await self._once(scope, replay, send, _store_key(scope, key), _fingerprint(scope, body))
             return
-        await self._once(scope, replay, send, _store_key(scope, key), _fingerprint(scope, body))
+        async with self.caller_check(scope) as authenticates:
+            if not authenticates:
+                await self.app(scope, replay, send)
+                return
+            await self._once(scope, replay, send, _store_key(scope, key), _fingerprint(scope, body))
 
     async def _once(self, scope: Scope, receive: Receive, send: Send, key: str, fingerprint: str) -> None:
         owner = uuid.uuid4().hex
@@ -260,11 +267,11 @@ class IdempotencyMiddleware:
             await asyncio.sleep(self.lease_s / 3)
 
 
-def caller_check_for(app: ASGIApp) -> Callable[[Scope], Awaitable[bool]]:
+def caller_check_for(app: ASGIApp) -> CallerCheck:
     """The check of the credential the app's own authenticate will make, against the gatekeeper of `app`
-    (create_app's), asked once per request (auth.py keeps the answer for the route)."""
-    async def check(scope: Scope) -> bool:
-        return await caller_authenticates(Headers(scope=scope), app.state.gateway.gatekeeper)
+    (create_app's), asked once per request (auth.py's caller_looked_up: the route reuses the answer)."""
+    def check(scope: Scope) -> AbstractAsyncContextManager[bool]:
+        return caller_looked_up(Headers(scope=scope), app.state.gateway.gatekeeper)
 
     return check
 
