@@ -1,9 +1,11 @@
-"""Connection hygiene on the real uvicorn: slow clients are cut at the read deadlines, a key past its cap on open
-streams gets 429 and a gateway past its requests in flight 503, each in the dialect's shape with Retry-After."""
+"""Connection hygiene on the real uvicorn: slow clients are cut at the read deadlines, an idle kept-alive connection
+is closed cleanly at the keep-alive (not cut at the header deadline), a key past its cap on open streams gets 429
+and a gateway past its requests in flight 503, each in the dialect's shape with Retry-After."""
 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import socket
 import time
 from collections.abc import Iterator
@@ -16,6 +18,7 @@ from tests.support.waiting import wait_until
 from .in_process_gateway import InProcessGateway
 
 READ_TIMEOUT_S = 0.5
+KEEP_ALIVE_S = 1.5  # longer than the read deadlines, as by default (20 s against 10 s)
 MAX_STREAMS_PER_KEY = 2
 MAX_IN_FLIGHT = 3
 CUT_WITHIN_S = 5.0  # generous: the deadline is READ_TIMEOUT_S; only "never" must fail
@@ -25,7 +28,7 @@ PATHS = ("/v1/chat/completions", "/v1/messages")
 @pytest.fixture(scope="module")
 def strict_gateway(checkpoint_dir, tmp_path_factory):
     gw = InProcessGateway(checkpoint_dir, tmp_path_factory.mktemp("strict-gateway-keys"),
-                          header_timeout_s=READ_TIMEOUT_S, body_timeout_s=READ_TIMEOUT_S,
+                          header_timeout_s=READ_TIMEOUT_S, body_timeout_s=READ_TIMEOUT_S, keep_alive_s=KEEP_ALIVE_S,
                           max_streams_per_key=MAX_STREAMS_PER_KEY, max_concurrent_requests=MAX_IN_FLIGHT).start()
     yield gw
     gw.stop()
@@ -72,6 +75,35 @@ def test_kept_alive_connections_still_serve_request_after_request(strict_gateway
         for _ in range(3):
             assert client.get("/v1/models").status_code == 200
             time.sleep(READ_TIMEOUT_S / 5)
+
+
+def test_an_idle_kept_alive_connection_outlasts_the_header_deadline_and_is_closed_cleanly_at_the_keep_alive(
+        strict_gateway):
+    host, port = strict_gateway.base_url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=CUT_WITHIN_S)
+    headers = {"x-api-key": strict_gateway.paid_key}
+    try:
+        connection.request("GET", "/v1/models", headers=headers)
+        assert connection.getresponse().read() and connection.sock is not None
+        kept = connection.sock
+        time.sleep(READ_TIMEOUT_S * 2)  # idle past the header deadline, within the keep-alive
+        connection.request("GET", "/v1/models", headers=headers)
+        answer = connection.getresponse()
+        assert answer.status == 200 and answer.read() and connection.sock is kept  # the same connection
+        answered = time.monotonic()
+        assert kept.recv(1) == b""  # a clean close (FIN), not an abort (ConnectionResetError)
+        assert KEEP_ALIVE_S * 0.8 < time.monotonic() - answered < CUT_WITHIN_S
+    finally:
+        connection.close()
+
+
+def test_the_next_request_on_a_kept_alive_connection_has_the_header_deadline_from_its_first_byte(strict_gateway):
+    with _connect(strict_gateway) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nhost: x\r\nx-api-key: " + strict_gateway.paid_key.encode()
+                     + b"\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\n")  # then headers a byte every 50 ms
+        assert _closed_within(sock, b"x-padding: aaaa\r\n") < KEEP_ALIVE_S  # at 0.5 s, not the idle backstop
 
 
 @contextlib.contextmanager

@@ -59,6 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--metrics-port-file", default=None, help="write the bound metrics port here")
     hygiene = GatewaySettings()
     for flag, kind, what in (
+            ("--keep-alive-s", float, "seconds an idle kept-alive connection stays open"),
             ("--header-timeout-s", float, "seconds a client has to send its request headers"),
             ("--body-timeout-s", float, "seconds a client has, after its headers, to send its body"),
             ("--write-timeout-s", float, "seconds a response may wait for a client that stopped reading"),
@@ -135,6 +136,7 @@ def _run(args: argparse.Namespace) -> int:
                                router_tls=internal_tls(args, "gateway"), stream_path=args.stream_path,
                                metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                                metrics_port_file=args.metrics_port_file,
+                               keep_alive_s=args.keep_alive_s,
                                header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
                                write_timeout_s=args.write_timeout_s,
                                max_header_bytes=args.max_header_bytes, max_connections=args.max_connections,

@@ -16,17 +16,20 @@ from flotilla.gateway.dialects import dialect_for_path, error_response
 from flotilla.gateway.errors import ErrorKind, GatewayError
 
 
-def deadline_protocol(header_timeout_s: float, body_timeout_s: float, write_timeout_s: float) -> type[H11Protocol]:
+def deadline_protocol(header_timeout_s: float, body_timeout_s: float, write_timeout_s: float,
+                      keep_alive_s: float) -> type[H11Protocol]:
     """uvicorn's h11 protocol with the deadlines uvicorn lacks (its keep-alive timer stops at the first byte of a
     request, and a write to a client that stopped reading waits forever): the request line and headers within
-    header_timeout_s of the connection opening (or of the previous response ending), the body within
-    body_timeout_s after them, and a response whose writes are stalled (kernel and transport buffers full) for
-    write_timeout_s. Past any of them the connection is aborted; the app sees the client gone (a stream is cut:
-    its generation is cancelled and its usage recorded as for any disconnect)."""
+    header_timeout_s of the connection opening (on a kept-alive connection: of the next request's first byte), the
+    body within body_timeout_s after them, and a response whose writes are stalled (kernel and transport buffers
+    full) for write_timeout_s. Past any of them the connection is aborted; the app sees the client gone (a stream
+    is cut: its generation is cancelled and its usage recorded as for any disconnect). An idle kept-alive
+    connection is closed by uvicorn's keep-alive timer (`keep_alive_s`, the same value); the deadline armed after
+    a response only backs it up."""
 
     class DeadlineH11Protocol(H11Protocol):
         _read_deadline: asyncio.TimerHandle | None = None
-        _awaiting: str | None = None  # "headers" or "body" while a deadline runs
+        _awaiting: str | None = None  # "headers", "body" or "idle" (between requests) while a deadline runs
         _write_deadline: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -44,10 +47,15 @@ def deadline_protocol(header_timeout_s: float, body_timeout_s: float, write_time
             elif self._awaiting == "body" and self.cycle is not None and not self.cycle.more_body:
                 self._disarm()
 
+        def data_received(self, data: bytes) -> None:
+            if self._awaiting == "idle":  # the next request on a kept-alive connection begins
+                self._arm("headers", header_timeout_s)
+            super().data_received(data)
+
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if not self.transport.is_closing():
-                self._arm("headers", header_timeout_s)  # the next request's, on a kept-alive connection
+                self._arm("idle", keep_alive_s + header_timeout_s)
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()

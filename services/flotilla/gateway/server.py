@@ -43,7 +43,8 @@ def uvicorn_config(app, settings: GatewaySettings, **options) -> uvicorn.Config:
     guarded = ConcurrencyLimit(app, settings.max_concurrent_requests, settings.retry_after_s)
     return uvicorn.Config(guarded, host=settings.host, port=settings.port, lifespan="on",
                           http=deadline_protocol(settings.header_timeout_s, settings.body_timeout_s,
-                                                settings.write_timeout_s),
+                                                settings.write_timeout_s, settings.keep_alive_s),
+                          timeout_keep_alive=settings.keep_alive_s,
                           h11_max_incomplete_event_size=settings.max_header_bytes,
                           limit_concurrency=settings.max_connections, **options)
 

@@ -44,11 +44,16 @@ class GatewaySettings:
     # How token streams travel (router_client.py): "auto" straight from the workers under the router's placement
     # leases when it grants them, else relayed by the router; "direct" and "relay" force one.
     stream_path: str = "auto"
-    # Connection hygiene (connection_limits.py): a client has header_timeout_s from connecting (or from the end of
-    # its previous response) to finish its request headers, body_timeout_s after them to finish its body, and
-    # write_timeout_s to take a response's bytes once the buffers are full; else the connection is aborted. Past max_connections open connections uvicorn answers a bare 503; past
+    # Connection hygiene (connection_limits.py): a client has header_timeout_s from connecting (on a kept-alive
+    # connection, from its next request's first byte) to finish its request headers, body_timeout_s after them to
+    # finish its body, and write_timeout_s to take a response's bytes once the buffers are full; else the
+    # connection is aborted. Past max_connections open connections uvicorn answers a bare 503; past
     # max_concurrent_requests in flight, and past max_streams_per_key open streams of one key (per gateway
     # process), the gateway answers 503 / 429 in the dialect's shape.
+    # An idle kept-alive connection is closed after keep_alive_s: longer than the pool expiry of httpx (5 s: the
+    # openai and anthropic SDKs) and aiohttp (15 s), so that such a client drops a connection before the gateway
+    # closes it and never reuses one in the instant it is closed. Behind a load balancer: above its idle timeout.
+    keep_alive_s: float = 20.0
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     write_timeout_s: float = 30.0  # a response whose client stopped reading (buffers full) is cut after this long
@@ -77,7 +82,8 @@ class GatewaySettings:
             raise ValueError(f"stream_path must be auto, direct or relay, got {self.stream_path!r}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
-        for name in ("header_timeout_s", "body_timeout_s", "write_timeout_s", "max_header_bytes", "max_connections",
+        for name in ("keep_alive_s", "header_timeout_s", "body_timeout_s", "write_timeout_s", "max_header_bytes",
+                     "max_connections",
                      "max_concurrent_requests", "max_streams_per_key"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -71,11 +71,10 @@ async def test_unauthenticated_idempotency_keys_leave_nothing_in_the_store(fleet
             return sum(1 for _ in client.scan_iter(match="flotilla:idem:*", count=1000))
 
     before = idempotency_keys()
-    # httpx keeps an idle connection for 5 s by default, as long as uvicorn's keep-alive: a connection the gateway
-    # closes at 5 s idle (a batch's slow tail on a loaded machine) could be reused in the same instant, a ReadError
-    # that says nothing of the gateway. Idle connections are dropped on this side first.
-    limits = httpx.Limits(max_connections=64, keepalive_expiry=2.0)
-    async with httpx.AsyncClient(base_url=fleet.url, timeout=60, limits=limits) as client:
+    # httpx's default pool (idle connections dropped after 5 s), as the SDKs have it: the gateway keeps idle
+    # connections longer (keep_alive_s), so none is reused in the instant the gateway closes it (with uvicorn's
+    # 5 s default this flood once met that ReadError in CI).
+    async with httpx.AsyncClient(base_url=fleet.url, timeout=60) as client:
         async def one(i: int) -> int:
             auth = {"authorization": "Bearer fl-not-a-key"} if i % 2 else {}
             response = await client.post("/v1/completions", json=body, headers={"idempotency-key": f"anon-{i}", **auth})
