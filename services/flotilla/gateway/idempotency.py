@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import json
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -43,7 +43,7 @@ MAX_KEY_LENGTH = 256
 STORED_STATUSES = frozenset({200, 400, 404, 413})
 MAX_MEMORY_ENTRIES = 100_000  # the in-process store (no Redis) forgets the oldest beyond this
 REPLAYED_HEADERS = frozenset({b"content-type", b"request-id", b"x-request-id"})
-CallerCheck = Callable[[Scope], AbstractAsyncContextManager[bool]]
+CallerCheck = Callable[[Scope], contextlib.AbstractAsyncContextManager[bool]]
 
 
 @dataclass
@@ -209,10 +209,8 @@ class IdempotencyMiddleware:
         if len(key) > MAX_KEY_LENGTH:
             await _error(scope, send, 400, f"Idempotency-Key must be at most {MAX_KEY_LENGTH} characters")
             return
-        if self.caller_check is None:
-            await self._once(scope, replay, send, _store_key(scope, key), _fingerprint(scope, body))
-            return
-        async with self.caller_check(scope) as authenticates:
+        check = self.caller_check(scope) if self.caller_check is not None else contextlib.nullcontext(True)
+        async with check as authenticates:
             if not authenticates:
                 await self.app(scope, replay, send)
                 return
@@ -270,7 +268,7 @@ class IdempotencyMiddleware:
 def caller_check_for(app: ASGIApp) -> CallerCheck:
     """The check of the credential the app's own authenticate will make, against the gatekeeper of `app`
     (create_app's), asked once per request (auth.py's caller_looked_up: the route reuses the answer)."""
-    def check(scope: Scope) -> AbstractAsyncContextManager[bool]:
+    def check(scope: Scope) -> contextlib.AbstractAsyncContextManager[bool]:
         return caller_looked_up(Headers(scope=scope), app.state.gateway.gatekeeper)
 
     return check

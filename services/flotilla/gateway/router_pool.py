@@ -122,10 +122,10 @@ class RouterPool:
         """True when `err` means the router, not the request, failed; then it is marked unreachable, whichever
         of LOST_ROUTER_STATUSES said so (a write that met the dead connection is INTERNAL, not UNAVAILABLE, and
         wait_reconnected only waits for routers marked down)."""
-        code = err.code() if hasattr(err, "code") else None
-        if code in LOST_ROUTER_STATUSES:
+        lost = hasattr(err, "code") and err.code() in LOST_ROUTER_STATUSES
+        if lost:
             self.mark_unreachable(client)
-        return code in LOST_ROUTER_STATUSES
+        return lost
 
     # ---- RouterBackend --------------------------------------------------------------------------------
     def generate(self, request: common.GenerateRequest, metadata: Sequence[tuple[str, str]] = ()

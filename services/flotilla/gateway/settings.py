@@ -83,8 +83,7 @@ class GatewaySettings:
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
         for name in ("keep_alive_s", "header_timeout_s", "body_timeout_s", "write_timeout_s", "max_header_bytes",
-                     "max_connections",
-                     "max_concurrent_requests", "max_streams_per_key"):
+                     "max_connections", "max_concurrent_requests", "max_streams_per_key"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
