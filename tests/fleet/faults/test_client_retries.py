@@ -61,8 +61,8 @@ def test_retry_with_the_same_key_replays_without_running_again(fleet):
 
 
 async def test_unauthenticated_idempotency_keys_leave_nothing_in_the_store(fleet):
-    """2,000 keys from callers without a (valid) API key: all 401, and the store holds none of them. (The flood is
-    costs ~5 ms a request here, mostly the test's own httpx client and the gateway sharing two cores; the
+    """2,000 keys from callers without a (valid) API key: all 401, and the store holds none of them. (A request
+    costs ~4 ms here, mostly the test's own httpx client and the gateway sharing two cores; the
     in-process flood of tests/gateway/test_idempotency_flood.py sends 10k.)"""
     body = completion_body([5, 6, 7], 4, stream=False)
 
