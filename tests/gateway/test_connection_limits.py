@@ -1,17 +1,24 @@
 """Connection hygiene on the real uvicorn: slow clients are cut at the read deadlines, an idle kept-alive connection
-is closed cleanly at the keep-alive (not cut at the header deadline), a key past its cap on open streams gets 429
-and a gateway past its requests in flight 503, each in the dialect's shape with Retry-After."""
+is closed cleanly at the keep-alive (not cut at the header deadline), headers past the limit get 431, a key past
+its cap on open streams gets 429 and a gateway past its requests in flight 503, each in the dialect's shape (with
+Retry-After where retrying helps)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.client
+import json
 import socket
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
+import uvicorn
+from uvicorn.server import ServerState
+
+from flotilla.gateway.connection_limits import deadline_protocol
 
 from tests.support.waiting import wait_until
 
@@ -21,6 +28,7 @@ READ_TIMEOUT_S = 0.5
 KEEP_ALIVE_S = 1.5  # longer than the read deadlines, as by default (20 s against 10 s)
 MAX_STREAMS_PER_KEY = 2
 MAX_IN_FLIGHT = 3
+MAX_HEADER_BYTES = 4096
 CUT_WITHIN_S = 5.0  # generous: the deadline is READ_TIMEOUT_S; only "never" must fail
 PATHS = ("/v1/chat/completions", "/v1/messages")
 
@@ -29,7 +37,8 @@ PATHS = ("/v1/chat/completions", "/v1/messages")
 def strict_gateway(checkpoint_dir, tmp_path_factory):
     gw = InProcessGateway(checkpoint_dir, tmp_path_factory.mktemp("strict-gateway-keys"),
                           header_timeout_s=READ_TIMEOUT_S, body_timeout_s=READ_TIMEOUT_S, keep_alive_s=KEEP_ALIVE_S,
-                          max_streams_per_key=MAX_STREAMS_PER_KEY, max_concurrent_requests=MAX_IN_FLIGHT).start()
+                          max_streams_per_key=MAX_STREAMS_PER_KEY, max_concurrent_requests=MAX_IN_FLIGHT,
+                          max_header_bytes=MAX_HEADER_BYTES).start()
     yield gw
     gw.stop()
 
@@ -104,6 +113,61 @@ def test_the_next_request_on_a_kept_alive_connection_has_the_header_deadline_fro
         assert sock.recv(65536).startswith(b"HTTP/1.1 200")
         sock.sendall(b"GET /v1/models HTTP/1.1\r\n")  # then headers a byte every 50 ms
         assert _closed_within(sock, b"x-padding: aaaa\r\n") < KEEP_ALIVE_S  # at 0.5 s, not the idle backstop
+
+
+def _raw_exchange(gateway, request: bytes) -> tuple[bytes, bytes]:
+    """Sends `request` on a fresh connection; (head, body) of the answer, read until the server closes."""
+    with _connect(gateway) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return head, body
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_headers_past_the_limit_get_431_in_the_dialect_and_the_connection_closes(strict_gateway, path):
+    padding = b"x-padding: " + b"a" * MAX_HEADER_BYTES + b"\r\n"
+    head, body = _raw_exchange(strict_gateway, b"POST " + path.encode() + b" HTTP/1.1\r\nhost: x\r\n" + padding
+                               + b"content-length: 2\r\n\r\n{}")
+    assert head.startswith(b"HTTP/1.1 431 ") and b"connection: close" in head
+    error = json.loads(body)
+    if path == "/v1/messages":
+        assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    else:
+        assert error["error"]["code"] == "request_header_too_large"
+
+
+def test_headers_within_the_limit_are_served(strict_gateway):
+    padding = b"x-padding: " + b"a" * (MAX_HEADER_BYTES // 2) + b"\r\n"
+    head, body = _raw_exchange(strict_gateway, b"GET /v1/models HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
+                               + padding + b"x-api-key: " + strict_gateway.paid_key.encode() + b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), head + body
+
+
+async def test_the_protocol_strips_the_whitespace_around_header_values():
+    """RFC 9110: the whitespace around a field value is not part of it (llhttp strips only the leading)."""
+    seen: list[tuple[bytes, bytes]] = []
+
+    async def record_headers(scope, receive, send):
+        seen.extend(scope["headers"])
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    config = uvicorn.Config(record_headers, lifespan="off")
+    config.load()
+    protocol = deadline_protocol(5, 5, 5, 5, MAX_HEADER_BYTES, 65536)
+    server = await asyncio.get_running_loop().create_server(
+        lambda: protocol(config=config, server_state=ServerState(), app_state={}), "127.0.0.1", 0)
+    try:
+        reader, writer = await asyncio.open_connection(*server.sockets[0].getsockname()[:2])
+        writer.write(b"GET / HTTP/1.1\r\nhost: x\r\nx-key: \t value with  inner spaces \t \r\n\r\n")
+        assert (await reader.readline()).startswith(b"HTTP/1.1 204 ")
+        writer.close()
+    finally:
+        server.close()
+    assert (b"x-key", b"value with  inner spaces") in seen
 
 
 @contextlib.contextmanager

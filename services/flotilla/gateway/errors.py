@@ -25,6 +25,7 @@ class ErrorKind(enum.Enum):
     NOT_FOUND = (404, "not_found_error", "invalid_request_error")
     METHOD_NOT_ALLOWED = (405, "invalid_request_error", "invalid_request_error")
     REQUEST_TOO_LARGE = (413, "request_too_large", "invalid_request_error")
+    HEADERS_TOO_LARGE = (431, "invalid_request_error", "invalid_request_error")
     RATE_LIMITED = (429, "rate_limit_error", "rate_limit_error")
     INTERNAL = (500, "api_error", "server_error")
     UNAVAILABLE = (503, "api_error", "server_error")

@@ -75,7 +75,7 @@ def _any_case(words: tuple[str, ...]) -> str:
     return "^(" + "|".join("".join(f"[{c.lower()}{c.upper()}]" for c in word) for word in words) + ")$"
 
 
-# Header values as the gateway parses them (h11 strips surrounding whitespace first).
+# Header values as the gateway parses them (surrounding whitespace stripped first: connection_limits.py).
 HEADERS = {
     "idempotency-key": {"name": "Idempotency-Key", "description": "replays the stored answer of an earlier "
                         "request with the same key (per API key); ignored by streamed requests and when empty",
@@ -323,7 +323,7 @@ def _bound(schema: dict, bounds: dict[str, dict]) -> None:
 _STATUS_TEXT = {400: "Invalid request", 401: "Missing or invalid API key", 403: "Not permitted for this key",
                 404: "Unknown model, URL or stream", 409: "A request with this Idempotency-Key is still running",
                 413: "Request body too large", 422: "This Idempotency-Key was used with another body",
-                429: "Rate limited",
+                429: "Rate limited", 431: "Request line and headers too large",
                 500: "Internal error", 503: "Unavailable (router, key store, or the gateway's limit of requests "
                 "in flight)", 504: "Deadline exceeded", 529: "Overloaded"}
 

@@ -38,14 +38,14 @@ def load_gatekeeper(settings: GatewaySettings) -> Gatekeeper | None:
 
 
 def uvicorn_config(app, settings: GatewaySettings, **options) -> uvicorn.Config:
-    """uvicorn for the public port: h11 with read deadlines, bounded headers, connections and requests in flight
+    """uvicorn for the public port: httptools with read deadlines, bounded headers, connections and requests in flight
     (connection_limits.py). `app` is the whole ASGI app, its middlewares installed."""
     guarded = ConcurrencyLimit(app, settings.max_concurrent_requests, settings.retry_after_s)
     return uvicorn.Config(guarded, host=settings.host, port=settings.port, lifespan="on",
                           http=deadline_protocol(settings.header_timeout_s, settings.body_timeout_s,
-                                                settings.write_timeout_s, settings.keep_alive_s),
+                                                settings.write_timeout_s, settings.keep_alive_s,
+                                                settings.max_header_bytes, settings.send_buffer_bytes),
                           timeout_keep_alive=settings.keep_alive_s,
-                          h11_max_incomplete_event_size=settings.max_header_bytes,
                           limit_concurrency=settings.max_connections, **options)
 
 

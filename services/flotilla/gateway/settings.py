@@ -57,6 +57,10 @@ class GatewaySettings:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     write_timeout_s: float = 30.0  # a response whose client stopped reading (buffers full) is cut after this long
+    # Each connection's kernel send buffer (SO_SNDBUF; Linux doubles it). Left to autotuning it grows to
+    # tcp_wmem's maximum (4 MiB by default): a client that stops reading would pin that much kernel memory per
+    # connection and take megabytes of tokens before its writes stall and write_timeout_s starts.
+    send_buffer_bytes: int = 256 * 1024
     max_header_bytes: int = 16 * 1024
     max_connections: int = 4096
     max_concurrent_requests: int = 1024
@@ -82,8 +86,8 @@ class GatewaySettings:
             raise ValueError(f"stream_path must be auto, direct or relay, got {self.stream_path!r}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
-        for name in ("keep_alive_s", "header_timeout_s", "body_timeout_s", "write_timeout_s", "max_header_bytes",
-                     "max_connections", "max_concurrent_requests", "max_streams_per_key"):
+        for name in ("keep_alive_s", "header_timeout_s", "body_timeout_s", "write_timeout_s", "send_buffer_bytes",
+                     "max_header_bytes", "max_connections", "max_concurrent_requests", "max_streams_per_key"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:

@@ -20,7 +20,7 @@ from tests.support.waiting import wait_until
 from .conftest import HEADER_TIMEOUT_S, MAX_BODY_BYTES, WRITE_TIMEOUT_S
 
 MIB = 1024 * 1024
-MAX_TOKENS = 1800  # with 20 logprobs a token's event is ~1.5 KB: far more than a non-reading client's buffers
+MAX_TOKENS = 1800  # with 20 logprobs a token's event is ~1.5 KB: ~2.7 MB, far more than the buffers (--send-buffer-bytes)
 
 
 def _connect(fleet, receive_buffer: int | None = None) -> socket.socket:
