@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -18,8 +19,12 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+# As bench_engine.py and the `flotilla` command's workers (before torch loads OpenMP): spinning OpenMP threads on
+# shared cores would profile the spinning, not the engine.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.engine import LLMEngine
