@@ -139,6 +139,11 @@ def test_headers_past_the_limit_get_431_in_the_dialect_and_the_connection_closes
         assert error["error"]["code"] == "request_header_too_large"
 
 
+def test_a_url_past_the_header_limit_gets_431(strict_gateway):
+    head, _ = _raw_exchange(strict_gateway, b"GET /v1/models?q=" + b"a" * MAX_HEADER_BYTES + b" HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431 ")
+
+
 def test_headers_within_the_limit_are_served(strict_gateway):
     padding = b"x-padding: " + b"a" * (MAX_HEADER_BYTES // 2) + b"\r\n"
     head, body = _raw_exchange(strict_gateway, b"GET /v1/models HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
