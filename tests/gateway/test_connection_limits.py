@@ -140,7 +140,8 @@ def test_headers_past_the_limit_get_431_in_the_dialect_and_the_connection_closes
 
 
 def test_a_url_past_the_header_limit_gets_431(strict_gateway):
-    head, _ = _raw_exchange(strict_gateway, b"GET /v1/models?q=" + b"a" * MAX_HEADER_BYTES + b" HTTP/1.1\r\nhost: x\r\n\r\n")
+    long_url = b"/v1/models?q=" + b"a" * MAX_HEADER_BYTES
+    head, _ = _raw_exchange(strict_gateway, b"GET " + long_url + b" HTTP/1.1\r\nhost: x\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 431 ")
 
 

@@ -95,7 +95,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     key.add_argument("--key-id", required=True)
     key.add_argument("--tenant", required=True)
     key.add_argument("--tier", choices=("paid", "free"), default="paid")
-    key.add_argument("--safety-policy", default="", help="a policy of the gateway's --safety-config (default: its default)")
+    key.add_argument("--safety-policy", default="",
+                     help="a policy of the gateway's --safety-config (default: its default)")
     key.set_defaults(func=_add_key)
 
 

@@ -108,7 +108,8 @@ class RouterPool:
         is within the reconnect grace, or at once when none is marked unreachable (waiting would change nothing)."""
         if not any(router.down for router in self._routers):
             return False
-        waits = [asyncio.ensure_future(client.wait_ready(self._reconnect_grace_s)) for client in self.routers_for(model)]
+        waits = [asyncio.ensure_future(client.wait_ready(self._reconnect_grace_s))
+                 for client in self.routers_for(model)]
         try:
             for done in asyncio.as_completed(waits):
                 if await done:
