@@ -34,7 +34,7 @@ from flotilla.engine.sampling_params import SamplingParams
 from flotilla.models.checkpoint import SIZES
 from loadtest.common.checkpoint_cache import default_cache_dir, ensure_checkpoint
 
-MATMUL = ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear")
+MATMUL = ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "mkldnn::_linear_pointwise")
 ATTENTION = ("sdpa", "scaled_dot_product", "flash_attention", "index_select", "index_copy", "decode_kernel",
              "prefill_kernel", "_softmax")
 OTHER = ("aten::argmax", "aten::embedding", "aten::index", "aten::sort", "aten::max", "aten::sum",

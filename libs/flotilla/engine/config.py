@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flotilla.engine.model.cpu_linear import BACKENDS as CPU_LINEAR_BACKENDS
+
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB: ~260k tokens of the tiny model
 GPU_KV_MEMORY_FRACTION = 0.85  # of the memory left free once the weights are loaded
 # The batch bound's default target TPOT (--target-tpot-ms auto). On a CPU, the tiny test model's step takes
@@ -23,6 +25,8 @@ class EngineConfig:
     dtype: str = "auto"  # "auto": float32 on cpu (no bf16 units here), the checkpoint's 16-bit type on cuda
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; or float8_e4m3fn / float8_e5m2 (half the KV bytes)
     attention_backend: str = "auto"  # "auto": triton on cuda, torch (SDPA + the C decode kernel) on cpu
+    # "auto": float32 linears through oneDNN with packed weights on a cpu (model/cpu_linear.py), F.linear elsewhere
+    cpu_linear_backend: str = "auto"
     cuda_graphs: bool = True  # capture decode steps on cuda (cuda_graphs.py); ignored on cpu
     cuda_graph_max_batch: int | None = None  # largest captured decode batch; None: max_num_seqs
     cuda_graph_memory_bytes: int = 2 << 30  # captures stop before their pool would pass this
@@ -52,6 +56,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.cpu_linear_backend not in CPU_LINEAR_BACKENDS:
+            raise ValueError(f"cpu_linear_backend must be one of {CPU_LINEAR_BACKENDS}, got {self.cpu_linear_backend!r}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be auto or one of {sorted(KV_CACHE_DTYPES)}, got "
                              f"{self.kv_cache_dtype!r}")

@@ -22,6 +22,7 @@ from flotilla.engine.config import (
 from flotilla.engine.detokenizer import IncrementalDetokenizer
 from flotilla.engine.errors import InvalidRequestError
 from flotilla.engine.kv_cache_manager import KVCacheManager
+from flotilla.engine.model import cpu_linear
 from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.model.kv_cache import num_blocks_for_budget
 from flotilla.engine.model.loader import load_model
@@ -56,6 +57,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.torch_dtype)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        self.linear_backend = cpu_linear.resolve(config.cpu_linear_backend, self.device, self.dtype)
         self.tokenizer = Tokenizer.from_pretrained(config.model_dir)
         # Structured outputs (grammar_backend.py); llguidance's vocabulary is built at the first such request.
         self.grammars = GrammarBackend(self.tokenizer.to_json, self.model_config.vocab_size,
@@ -63,6 +65,8 @@ class LLMEngine:
         self.max_model_len = min(self.model_config.max_model_len, config.max_model_len or 1 << 62)
         self.model_version = model_version(config.model_dir)
         model = load_model(config.model_dir, self.dtype, self.device)
+        if self.linear_backend == "onednn":
+            cpu_linear.pack_linears(model)
         num_blocks = config.num_kv_blocks or self._blocks_for_budget()
         self.runner = ModelRunner(
             model, num_blocks, config.block_size, self.kv_cache_dtype, self.device, config.num_host_kv_blocks,

@@ -31,6 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="auto: the model's dtype; float8_e4m3fn or float8_e5m2 halve the KV bytes")
     worker.add_argument("--attention-backend", choices=("auto", "triton", "torch"), default="auto",
                         help="auto: the Triton kernels on cuda, the torch path (and C decode kernel) on cpu")
+    worker.add_argument("--cpu-linear-backend", choices=("auto", "onednn", "torch"), default="auto",
+                        help="auto: float32 linears through oneDNN with packed weights on cpu, F.linear elsewhere")
     worker.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on cuda")
     worker.add_argument("--block-size", type=int, default=16)
     worker.add_argument("--num-kv-blocks", type=int, default=None)
@@ -199,6 +201,7 @@ def run_worker(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend,
+        cpu_linear_backend=args.cpu_linear_backend,
         cuda_graphs=not args.no_cuda_graphs,
         block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,

@@ -1,0 +1,80 @@
+"""Linear layers through oneDNN with their weights packed once at load: float32 matmuls on a CPU.
+
+Why: torch's CPU wheel sends `F.linear` to MKL's sgemm. On an AMD EPYC with AVX-512 (this project's VM since
+2026-12-04) MKL ran at ~200 GFLOP/s where oneDNN, which ships inside the same wheel as `torch.ops.mkldnn`, ran
+400-500 GFLOP/s at prefill shapes, 2-3x MKL at 64-row decode shapes and 3.8x on SmolLM2's 49,152-row lm_head
+for one row (docs/performance.md, "oneDNN linears"). vLLM's CPU build calls oneDNN too. Packing reorders
+each weight into oneDNN's blocked layout once, instead of on every call.
+
+The packed weight replaces the dense one; a tied lm_head keeps the embedding (the lookup needs it) and adds
+a packed copy of it (vocabulary x hidden x 4 bytes). Results differ from MKL's by float32 rounding only (the
+sums run in another order): ~3e-6 relative, as between any two GEMM libraries.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+BACKENDS = ("auto", "onednn", "torch")
+# Batch size oneDNN picks its packed layout for; measured the same or better than 1 or 2,048 at 1-2,048 rows.
+_PACKING_BATCH_HINT = 64
+
+
+class PackedLinear(nn.Module):
+    """nn.Linear's forward with its weight in oneDNN's packed layout (an opaque tensor, kept out of the module's
+    parameters and state dict: nothing but this forward can read it)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), _PACKING_BATCH_HINT)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def resolve(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend the engine's linears use: "onednn" (packed) or "torch" (F.linear). "auto" is onednn for float32
+    on a CPU whose torch build has a working oneDNN, torch everywhere else (GPUs: cuBLAS)."""
+    if name not in BACKENDS:
+        raise ValueError(f"cpu_linear_backend must be one of {BACKENDS}, got {name!r}")
+    applies = device.type == "cpu" and dtype == torch.float32
+    if name == "onednn" and not applies:
+        raise ValueError(f"cpu_linear_backend 'onednn' packs float32 weights on a cpu, not {dtype} on {device.type}")
+    if name == "torch" or not applies:
+        return "torch"
+    if not onednn_works():
+        if name == "onednn":
+            raise ValueError("cpu_linear_backend 'onednn': this torch build's oneDNN linear is missing or wrong")
+        return "torch"
+    return "onednn"
+
+
+def onednn_works() -> bool:
+    """One small packed matmul against F.linear: the ops are private to torch, so check they exist and agree."""
+    try:
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(5, 24, generator=generator)
+        linear = nn.Linear(24, 40, bias=True)
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(40, 24, generator=generator))
+            linear.bias.copy_(torch.randn(40, generator=generator))
+            return torch.allclose(PackedLinear(linear)(x), linear(x), rtol=1e-4, atol=1e-4)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replaces every nn.Linear of `model` by a PackedLinear, in place; returns how many."""
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, PackedLinear(child))
+                replaced += 1
+    return replaced

@@ -1,0 +1,83 @@
+"""Linears through oneDNN with packed weights (model/cpu_linear.py): the same results as nn.Linear and as
+transformers, the tied lm_head still tied to what the embedding reads, and the backend chosen at start-up."""
+
+import pytest
+import torch
+from torch import nn
+
+from flotilla.engine.model import cpu_linear, load_model
+
+from .helpers import KINDS, PagedDriver, hf_greedy, hf_logits, random_tokens
+
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.skipif(not cpu_linear.onednn_works(), reason="this torch build has no working oneDNN linear"),
+]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64, 65, 700])
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_linear_equals_nn_linear(rows, bias):
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 200, bias=bias)
+    x = torch.randn(rows, 96) * 3
+    with torch.inference_mode():
+        expected = linear(x)
+        packed = cpu_linear.PackedLinear(linear)
+        torch.testing.assert_close(packed(x), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed(x[:, None]), expected[:, None], rtol=1e-5, atol=1e-5)  # 3-D input
+
+
+def test_pack_linears_replaces_every_linear_and_keeps_the_embedding(checkpoint_factory):
+    ckpt = checkpoint_factory("qwen2_tied")
+    model = load_model(ckpt.directory, torch.float32, torch.device("cpu"))
+    embedding = model.model.embed_tokens.weight
+    num_linears = sum(type(m) is nn.Linear for m in model.modules())
+    assert cpu_linear.pack_linears(model) == num_linears > 0
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert model.model.embed_tokens.weight is embedding  # the lookup still reads the dense matrix
+    assert all(p.layout == torch.strided for p in model.parameters())  # packed weights are not parameters
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_packed_model_matches_transformers(checkpoint_factory, kind):
+    ckpt = checkpoint_factory(kind)
+    model = load_model(ckpt.directory, torch.float32, torch.device("cpu"))
+    cpu_linear.pack_linears(model)
+    tokens = random_tokens(37, seed=1)
+    torch.testing.assert_close(PagedDriver(model).all_logits("a", tokens), hf_logits(ckpt.hf, tokens),
+                               atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "qwen2_tied"])
+def test_packed_greedy_generation_equals_hf_generate(checkpoint_factory, kind):
+    ckpt = checkpoint_factory(kind)
+    model = load_model(ckpt.directory, torch.float32, torch.device("cpu"))
+    cpu_linear.pack_linears(model)
+    prompt = random_tokens(9, seed=30)
+    driver = PagedDriver(model, block_size=4, seed=5)
+    tokens = list(prompt)
+    (logits,) = driver.step([("a", tokens, 0, len(tokens))])
+    while len(tokens) < len(prompt) + 30:
+        tokens.append(int(logits.argmax()))
+        (logits,) = driver.step([("a", tokens, len(tokens) - 1, 1)])
+    assert tokens == hf_greedy(ckpt.hf, prompt, 30)
+
+
+def test_auto_packs_float32_on_a_cpu_only():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert cpu_linear.resolve("auto", cpu, torch.float32) == "onednn"
+    assert cpu_linear.resolve("auto", cpu, torch.bfloat16) == "torch"
+    assert cpu_linear.resolve("auto", cuda, torch.float32) == "torch"
+    assert cpu_linear.resolve("torch", cpu, torch.float32) == "torch"
+    assert cpu_linear.resolve("onednn", cpu, torch.float32) == "onednn"
+
+
+@pytest.mark.parametrize(("name", "device", "dtype", "message"), [
+    ("mkl", "cpu", torch.float32, "must be one of"),
+    ("onednn", "cuda", torch.bfloat16, "packs float32 weights on a cpu"),
+    ("onednn", "cpu", torch.float16, "packs float32 weights on a cpu"),
+])
+def test_backends_that_cannot_apply_are_refused(name, device, dtype, message):
+    with pytest.raises(ValueError, match=message):
+        cpu_linear.resolve(name, torch.device(device), dtype)
