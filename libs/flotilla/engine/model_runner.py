@@ -8,7 +8,7 @@ from typing import Protocol
 import torch
 
 from flotilla.engine import cuda_graphs
-from flotilla.engine.model import decode_kernel
+from flotilla.engine.model import decode_kernel, prefill_kernel
 from flotilla.engine.model.attention import AttentionMetadata, SeqChunk
 from flotilla.engine.model.kv_cache import allocate_kv_cache, copy_blocks
 from flotilla.engine.model.llama import LlamaForCausalLM
@@ -53,6 +53,7 @@ class ModelRunner:
         # after every layer, and at the end of the forward pass (where it waits for its writes).
         self.kv_hook: StepKVHook | None = None
         self.use_decode_kernel = not self.use_triton and decode_kernel.applies(self.kv_caches[0])
+        self.use_prefill_kernel = not self.use_triton and prefill_kernel.applies(self.kv_caches[0])
         self.graphs: cuda_graphs.DecodeGraphs | None = None
         if graph_sizes:
             if not self.use_triton or max_model_len is None:
@@ -109,6 +110,7 @@ class ModelRunner:
             self.block_size,
             self.device,
             use_decode_kernel=self.use_decode_kernel,
+            use_prefill_kernel=self.use_prefill_kernel,
             sliding_window=self.model.config.sliding_window,
             use_triton=self.use_triton,
         )

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from flotilla.engine.model import AttentionMetadata, LlamaForCausalLM, SeqChunk, allocate_kv_cache
+from flotilla.engine.model import AttentionMetadata, LlamaForCausalLM, SeqChunk, allocate_kv_cache, prefill_kernel
 
 VOCAB = 512
 _BASE = dict(
@@ -160,13 +160,16 @@ class PagedDriver:
         block_size: int = 4,
         seed: int = 0,
         use_decode_kernel: bool = False,
+        use_prefill_kernel: bool = False,
     ) -> None:
-        """use_decode_kernel: one-token chunks go through the CPU decode kernel, as in the engine."""
+        """use_decode_kernel / use_prefill_kernel: one-token / longer chunks go through the CPU kernels, as in the
+        engine."""
         self.model = model
         self.block_size = block_size
         self.use_decode_kernel = use_decode_kernel
         dtype = next(model.parameters()).dtype
         self.kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, dtype, torch.device("cpu"))
+        self.use_prefill_kernel = use_prefill_kernel and prefill_kernel.applies(self.kv_caches[0])
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)  # non-contiguous, unordered block tables
         self.tables: dict[str, list[int]] = {}
@@ -185,7 +188,8 @@ class PagedDriver:
     def run(self, chunks: list[SeqChunk], token_lists: list[list[int]]) -> torch.Tensor:
         cpu = torch.device("cpu")
         meta = AttentionMetadata.build(chunks, self.block_size, cpu, use_decode_kernel=self.use_decode_kernel,
-                                       sliding_window=self.model.config.sliding_window)
+                                       sliding_window=self.model.config.sliding_window,
+                                       use_prefill_kernel=self.use_prefill_kernel)
         input_ids = torch.tensor([t for tokens in token_lists for t in tokens])
         with torch.inference_mode():
             hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)
@@ -195,7 +199,8 @@ class PagedDriver:
     def all_logits(self, seq_id: str, tokens: list[int]) -> torch.Tensor:
         """One prefill chunk of the whole sequence, logits of every position."""
         meta = AttentionMetadata.build([self.chunk(seq_id, 0, len(tokens))], self.block_size, torch.device("cpu"),
-                                       sliding_window=self.model.config.sliding_window)
+                                       sliding_window=self.model.config.sliding_window,
+                                       use_prefill_kernel=self.use_prefill_kernel)
         with torch.inference_mode():
             hidden = self.model(torch.tensor(tokens), meta.positions, meta, self.kv_caches)
             return self.model.compute_logits(hidden)

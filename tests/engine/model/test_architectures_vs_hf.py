@@ -14,7 +14,7 @@ import torch
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.engine import LLMEngine
 from flotilla.engine.new_request import NewRequest
-from flotilla.engine.model import decode_kernel, load_model
+from flotilla.engine.model import decode_kernel, load_model, prefill_kernel
 from flotilla.engine.sampling_params import SamplingParams
 from flotilla.models.toy_tokenizer import toy_tokenizer_json
 
@@ -24,17 +24,18 @@ ATOL = 1e-4
 KINDS = ["qwen3", "phi3", "phi3_longrope", "qwen3_moe", "mistral", "qwen2_window", "gemma2", "gemma3", "llama_yarn",
          "llama_dynamic"]
 LENGTH_DEPENDENT_ROPE = ["phi3_longrope", "llama_dynamic"]
-NO_KERNEL = pytest.mark.skipif(decode_kernel.load() is None, reason="no C compiler")
-DECODE_PATHS = [False, pytest.param(True, marks=NO_KERNEL)]
+NO_KERNEL = pytest.mark.skipif(decode_kernel.load() is None or prefill_kernel.load() is None, reason="no C compiler")
+KERNEL_PATHS = [False, pytest.param(True, marks=NO_KERNEL)]  # the torch path, or the CPU decode and prefill kernels
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("use_decode_kernel", DECODE_PATHS)
-def test_chunked_prefill_then_decode_matches_hf(checkpoint_factory, kind, use_decode_kernel):
+@pytest.mark.parametrize("use_kernels", KERNEL_PATHS)
+def test_chunked_prefill_then_decode_matches_hf(checkpoint_factory, kind, use_kernels):
     ckpt = checkpoint_factory(kind)
     tokens = random_tokens(40, seed=2)
     sizes = [5, 3, 9] + [1] * 23  # chunk ends cross block boundaries (block_size 4); decode past position 32
-    driver = PagedDriver(ckpt.model, block_size=4, seed=1, use_decode_kernel=use_decode_kernel)
+    driver = PagedDriver(ckpt.model, block_size=4, seed=1, use_decode_kernel=use_kernels,
+                         use_prefill_kernel=use_kernels)
     start = 0
     for size, reference in zip(sizes, hf_chunked_logits(ckpt.hf, tokens, sizes)):
         (logits,) = driver.step([("a", tokens, start, size)])
@@ -46,7 +47,8 @@ def test_chunked_prefill_then_decode_matches_hf(checkpoint_factory, kind, use_de
 def test_mixed_step_matches_each_sequence_alone(checkpoint_factory, kind):
     ckpt = checkpoint_factory(kind)
     seqs = {name: random_tokens(n, seed=10 + i) for i, (name, n) in enumerate({"a": 11, "b": 6, "c": 33}.items())}
-    driver = PagedDriver(ckpt.model, block_size=4, seed=3, use_decode_kernel=decode_kernel.load() is not None)
+    driver = PagedDriver(ckpt.model, block_size=4, seed=3, use_decode_kernel=decode_kernel.load() is not None,
+                         use_prefill_kernel=prefill_kernel.load() is not None)
     driver.step([("a", seqs["a"], 0, 10), ("b", seqs["b"], 0, 5), ("c", seqs["c"], 0, 7)])
     work = [("a", seqs["a"], 10, 1), ("c", seqs["c"], 7, 26), ("b", seqs["b"], 5, 1)]  # c ends past 32
     logits = driver.step(work)

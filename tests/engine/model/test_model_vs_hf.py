@@ -3,28 +3,33 @@
 import pytest
 import torch
 
-from flotilla.engine.model import load_model
+from flotilla.engine.model import load_model, prefill_kernel
 
 from .helpers import KINDS, PagedDriver, hf_greedy, hf_logits, random_tokens
 
 ATOL = 1e-4
+# Multi-token chunks through SDPA over gathered blocks, or through the CPU prefill kernel reading them in place.
+PREFILL_PATHS = [False, pytest.param(True, marks=pytest.mark.skipif(prefill_kernel.load() is None,
+                                                                    reason="no C compiler"))]
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_one_chunk_prefill_matches_hf(checkpoint_factory, kind):
+@pytest.mark.parametrize("use_prefill_kernel", PREFILL_PATHS)
+def test_one_chunk_prefill_matches_hf(checkpoint_factory, kind, use_prefill_kernel):
     ckpt = checkpoint_factory(kind)
     tokens = random_tokens(37, seed=1)
-    ours = PagedDriver(ckpt.model).all_logits("a", tokens)
+    ours = PagedDriver(ckpt.model, use_prefill_kernel=use_prefill_kernel).all_logits("a", tokens)
     torch.testing.assert_close(ours, hf_logits(ckpt.hf, tokens), atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["llama_gqa", "llama3_rope", "qwen2_tied"])
 @pytest.mark.parametrize("chunk_sizes", [(5, 3, 9, 1), (8, 8, 2), (13,)])
-def test_chunked_prefill_then_decode_matches_hf(checkpoint_factory, kind, chunk_sizes):
+@pytest.mark.parametrize("use_prefill_kernel", PREFILL_PATHS)
+def test_chunked_prefill_then_decode_matches_hf(checkpoint_factory, kind, chunk_sizes, use_prefill_kernel):
     ckpt = checkpoint_factory(kind)
     tokens = random_tokens(sum(chunk_sizes) + 6, seed=2)
     reference = hf_logits(ckpt.hf, tokens)
-    driver = PagedDriver(ckpt.model, block_size=4, seed=len(chunk_sizes))
+    driver = PagedDriver(ckpt.model, block_size=4, seed=len(chunk_sizes), use_prefill_kernel=use_prefill_kernel)
     start = 0
     for size in chunk_sizes:  # chunk ends cross block boundaries (block_size 4)
         (logits,) = driver.step([("a", tokens, start, size)])
@@ -37,12 +42,13 @@ def test_chunked_prefill_then_decode_matches_hf(checkpoint_factory, kind, chunk_
     assert driver.tables["a"] != sorted(driver.tables["a"])  # really a shuffled block table
 
 
-def test_mixed_step_matches_each_sequence_alone(checkpoint_factory):
+@pytest.mark.parametrize("use_prefill_kernel", PREFILL_PATHS)
+def test_mixed_step_matches_each_sequence_alone(checkpoint_factory, use_prefill_kernel):
     ckpt = checkpoint_factory("llama_gqa")
     lengths = {"a": 11, "b": 6, "c": 23, "d": 9}
     seqs = {name: random_tokens(n, seed=10 + i) for i, (name, n) in enumerate(lengths.items())}
     reference = {name: hf_logits(ckpt.hf, tokens) for name, tokens in seqs.items()}
-    driver = PagedDriver(ckpt.model, block_size=4, seed=3)
+    driver = PagedDriver(ckpt.model, block_size=4, seed=3, use_prefill_kernel=use_prefill_kernel)
     driver.step([("a", seqs["a"], 0, 10), ("b", seqs["b"], 0, 5), ("c", seqs["c"], 0, 7)])
     # decode a, prefill chunk of c from an offset, new prefill d, decode b after them (out of order)
     work = [("a", seqs["a"], 10, 1), ("c", seqs["c"], 7, 16), ("d", seqs["d"], 0, 9), ("b", seqs["b"], 5, 1)]
@@ -51,11 +57,12 @@ def test_mixed_step_matches_each_sequence_alone(checkpoint_factory):
         torch.testing.assert_close(logits[row], reference[name][start + n - 1], atol=ATOL, rtol=0)
 
 
-def test_sequence_reads_blocks_written_by_another_in_the_same_step(checkpoint_factory):
+@pytest.mark.parametrize("use_prefill_kernel", PREFILL_PATHS)
+def test_sequence_reads_blocks_written_by_another_in_the_same_step(checkpoint_factory, use_prefill_kernel):
     ckpt = checkpoint_factory("llama_gqa")
     prefix = random_tokens(8, seed=20)
     second = prefix + random_tokens(3, seed=21)
-    driver = PagedDriver(ckpt.model, block_size=4, seed=4)
+    driver = PagedDriver(ckpt.model, block_size=4, seed=4, use_prefill_kernel=use_prefill_kernel)
     first_chunk = driver.chunk("first", 0, 8)
     # "second" shares the two prefix blocks that "first" fills in this very step
     driver.tables["second"] = list(first_chunk.block_ids)

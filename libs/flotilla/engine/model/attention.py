@@ -6,7 +6,8 @@ a sequence may read blocks that another sequence of the same step has just writt
 Decode chunks (one token) run batched in SDPA calls over a padded gather with a boolean mask, in groups
 of consecutive sequences whose gathered K/V stays small (on a CPU a group that fits the caches runs
 4x faster than one big batch; on a GPU one group); prefill chunks run one SDPA call each, causal with
-an offset.
+an offset. On a CPU with float32 K/V, C kernels read the blocks in place instead: decode_kernel for one-token
+chunks, prefill_kernel for longer ones (flash order, causal from the chunk's offset, windows and soft-caps).
 Sliding-window layers use a second mask of each kind (built when the step is given the model's window) that also
 hides keys older than the window; the CPU kernel skips them. Soft-capped scores (Gemma 2) leave SDPA for the same
 computation written out (scores, tanh cap, mask, softmax, values), since SDPA has no soft-cap.
@@ -23,7 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from flotilla.engine.model import decode_kernel
+from flotilla.engine.model import decode_kernel, prefill_kernel
 
 
 class SeqChunk(NamedTuple):
@@ -87,6 +88,7 @@ class AttentionMetadata:
     decode_groups: tuple[DecodeBatch, ...]
     prefills: tuple[PrefillChunk, ...]
     decode_rows: DecodeRows | None = None  # set instead of decode_groups when the CPU kernel runs decode
+    use_prefill_kernel: bool = False  # prefill chunks through the CPU kernel (reads blocks in place; no masks built)
     rope_lens: torch.Tensor | None = None  # [T] the rope length of each token (SeqChunk.num_prompt_tokens)
     max_rope_len: int = 0  # their maximum
     sliding_window: int | None = None  # the window the window masks were built for
@@ -104,12 +106,15 @@ class AttentionMetadata:
         use_decode_kernel: bool = False,
         sliding_window: int | None = None,
         use_triton: bool = False,
+        use_prefill_kernel: bool = False,
     ) -> AttentionMetadata:
         """max_decode_group_tokens caps the padded context tokens gathered per decode SDPA call; None picks
         a per-device default. Order decode chunks by context length to keep padding small.
         use_decode_kernel: decode through the CPU kernel (decode_kernel.applies) instead of SDPA groups.
         sliding_window: the model's (ModelConfig.sliding_window), for the masks of its sliding layers.
-        use_triton: the Triton kernel reads the whole step through block_tables; no masks or groups are built."""
+        use_triton: the Triton kernel reads the whole step through block_tables; no masks or groups are built.
+        use_prefill_kernel: multi-token chunks through the CPU prefill kernel (prefill_kernel.applies), which
+        reads their blocks in place and masks as it goes: no gather, no masks built."""
         _validate(seqs, block_size, sliding_window)
         starts = [seq.start for seq in seqs]
         counts = [seq.num_tokens for seq in seqs]
@@ -134,7 +139,8 @@ class AttentionMetadata:
                 for group in _decode_groups(decode_ids, ends, group_tokens)
             )
         prefills = tuple(
-            _prefill_chunk(starts[i], counts[i], offsets[i], block_tables[i], block_size, device, sliding_window)
+            _prefill_chunk(starts[i], counts[i], offsets[i], block_tables[i], block_size, device, sliding_window,
+                           masks=not use_prefill_kernel)
             for i in range(len(seqs))
             if counts[i] > 1 and not use_triton
         )
@@ -149,6 +155,7 @@ class AttentionMetadata:
             block_tables=block_tables,
             decode_groups=decode_groups,
             decode_rows=decode_rows,
+            use_prefill_kernel=use_prefill_kernel and bool(prefills),
             prefills=prefills,
             rope_lens=torch.maximum(floor_of_token, positions + 1),
             max_rope_len=max(max(floor, end) for floor, end in zip(floors, ends)),
@@ -254,9 +261,12 @@ def _decode_batch(decode_ids: list[int], offsets, ends, block_tables, block_size
     )
 
 
-def _prefill_chunk(start, count, offset, block_row, block_size, device, window) -> PrefillChunk:
+def _prefill_chunk(start, count, offset, block_row, block_size, device, window, masks: bool = True) -> PrefillChunk:
     context_len = start + count
     block_ids = block_row[: -(-context_len // block_size)]
+    if not masks:  # the prefill kernel reads the whole table and masks as it goes
+        return PrefillChunk(token_slice=slice(offset, offset + count), block_ids=block_ids, context_len=context_len,
+                            mask=None)
     mask = None
     if start > 0:
         mask = _causal_mask(0, start, context_len, device)
@@ -319,7 +329,12 @@ def paged_attention(
     if meta.decode_rows is not None:
         _decode_with_kernel(q, kv_cache, meta.decode_rows, out, scale, window, softcap)
     for chunk in meta.prefills:
-        out[chunk.token_slice] = _prefill_attention(q[chunk.token_slice], kv_cache, chunk, scores)
+        if meta.use_prefill_kernel:
+            start = chunk.context_len - (chunk.token_slice.stop - chunk.token_slice.start)
+            prefill_kernel.paged_prefill_attention(q[chunk.token_slice], kv_cache, chunk.block_ids, start,
+                                                   out[chunk.token_slice], scale, window, softcap)
+        else:
+            out[chunk.token_slice] = _prefill_attention(q[chunk.token_slice], kv_cache, chunk, scores)
     return out
 
 

@@ -1,0 +1,65 @@
+"""The CPU prefill-attention kernel (csrc/paged_prefill_attention.c): a chunk of one sequence's queries against
+its keys read in place through the block table, causal, flash order. Built and loaded like the decode kernel
+(kernel_build.py); where it cannot be built or does not apply (GPU, 16-bit K/V, head size not a multiple of 8),
+attention uses the torch path (block gather + SDPA)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from flotilla.engine.model.decode_kernel import CFLAGS
+from flotilla.engine.model.kernel_build import CSRC, KernelLibrary
+
+SOURCE = CSRC / "paged_prefill_attention.c"
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    library.paged_prefill_attention_f32.restype = ctypes.c_int
+    library.paged_prefill_attention_f32.argtypes = (
+        [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 7
+        + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int]  # scale, window, softcap, threads
+    )
+
+
+_library = KernelLibrary(SOURCE.name, CFLAGS, _declare)
+
+
+def load() -> ctypes.CDLL | None:
+    return _library.load()
+
+
+def applies(kv_cache: torch.Tensor) -> bool:
+    return (kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32 and kv_cache.shape[-1] % 8 == 0
+            and load() is not None)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    start: int,
+    out: torch.Tensor,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """q [T, H, D] (rows may be strided: a slice of the fused qkv) of one sequence's queries at positions
+    start..start+T-1 -> out [T, H, D] (contiguous float32, written in place); kv_cache [2, num_blocks,
+    block_size, H_kv, D] already holding this chunk's K/V; block_table [W] int64 covering start + T tokens."""
+    num_queries, num_heads, head_dim = q.shape
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    if out.shape != q.shape or not out.is_contiguous() or out.dtype != torch.float32:
+        raise ValueError(f"out must be a contiguous {tuple(q.shape)} float32 tensor, got {tuple(out.shape)}")
+    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    table = block_table.contiguous()
+    status = load().paged_prefill_attention_f32(
+        q.data_ptr(), q.stride(0), kv_cache.data_ptr(), table.data_ptr(), out.data_ptr(), num_queries, start,
+        num_heads, num_kv_heads, head_dim, num_blocks, block_size,
+        head_dim ** -0.5 if scale is None else scale, window or 0, softcap or 0.0, torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"prefill kernel failed ({status}) for {num_heads} heads, {num_kv_heads} KV heads, D {head_dim}")
+    return out

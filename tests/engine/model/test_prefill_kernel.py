@@ -1,0 +1,82 @@
+"""The CPU prefill-attention kernel against the definition (float64 softmax attention over the context gathered
+through the block table): shuffled block tables, GQA, head sizes the kernel compiles apart and others, chunks
+after a prefix, windows, soft-caps, query rows that are a strided slice of the fused qkv, and lengths that leave
+partial query and key tiles."""
+
+import pytest
+import torch
+
+from flotilla.engine.model import prefill_kernel
+
+pytestmark = [pytest.mark.unit,
+              pytest.mark.skipif(prefill_kernel.load() is None, reason="no C compiler for the CPU kernels")]
+
+
+def definition(q, kv_cache, table, start, scale, window=None, softcap=None):
+    num_queries, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    context_len = start + num_queries
+    gathered = kv_cache[:, table].reshape(2, -1, num_kv_heads, head_dim)[:, :context_len].double()
+    keys = gathered[0].repeat_interleave(num_heads // num_kv_heads, dim=1)  # [L, H, D]
+    values = gathered[1].repeat_interleave(num_heads // num_kv_heads, dim=1)
+    scores = torch.einsum("thd,lhd->htl", q.double(), keys) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    query_pos = torch.arange(start, context_len)[:, None]
+    key_pos = torch.arange(context_len)[None, :]
+    visible = key_pos <= query_pos
+    if window is not None:
+        visible &= key_pos > query_pos - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("htl,lhd->thd", torch.softmax(scores, dim=-1), values).float()
+
+
+CASES = [  # (queries, start, heads, kv heads, head dim, block size, window, softcap)
+    (37, 0, 8, 4, 32, 16, None, None),
+    (37, 21, 8, 4, 32, 4, None, None),  # a chunk after a prefix, blocks of 4
+    (64, 0, 12, 4, 64, 16, None, None),  # exactly one query tile
+    (130, 300, 9, 3, 64, 16, None, None),  # partial tiles, a long prefix
+    (17, 0, 4, 4, 128, 16, None, None),
+    (5, 3, 6, 2, 24, 16, None, None),  # a head size compiled generically
+    (50, 100, 12, 4, 64, 16, 30, None),  # a window smaller than the chunk
+    (40, 0, 8, 2, 16, 4, 8, 3.0),  # window and soft-cap (Gemma 2's shape)
+    (2, 0, 2, 1, 8, 16, None, None),  # two queries, G 2
+    (1, 9, 4, 2, 32, 16, None, None),  # one query past a prefix
+]
+
+
+@pytest.mark.parametrize(("num_queries", "start", "heads", "kv_heads", "head_dim", "block_size", "window", "softcap"),
+                         CASES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_kernel_equals_the_definition(num_queries, start, heads, kv_heads, head_dim, block_size, window, softcap,
+                                          threads):
+    generator = torch.Generator().manual_seed(num_queries * 31 + start)
+    context_len = start + num_queries
+    num_blocks = -(-context_len // block_size)
+    kv_cache = torch.randn(2, num_blocks + 7, block_size, kv_heads, head_dim, generator=generator)
+    table = torch.randperm(num_blocks + 7, generator=generator)[:num_blocks]  # scattered, out of order
+    qkv = torch.randn(num_queries, (heads + 2 * kv_heads) * head_dim, generator=generator) * 2
+    q = qkv[:, : heads * head_dim].view(num_queries, heads, head_dim)  # rows a stride of the fused qkv apart
+    scale = head_dim ** -0.5 * 1.3
+    out = torch.full((num_queries, heads, head_dim), float("nan"))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        prefill_kernel.paged_prefill_attention(q, kv_cache, table, start, out, scale, window, softcap)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(out, definition(q, kv_cache, table, start, scale, window, softcap),
+                               atol=2e-5, rtol=2e-5)
+
+
+def test_the_kernel_does_not_apply_to_16_bit_or_odd_head_sizes():
+    assert prefill_kernel.applies(torch.zeros(2, 1, 16, 2, 32))
+    assert not prefill_kernel.applies(torch.zeros(2, 1, 16, 2, 32, dtype=torch.bfloat16))
+    assert not prefill_kernel.applies(torch.zeros(2, 1, 16, 2, 20))
+
+
+def test_a_bad_output_tensor_is_refused():
+    q = torch.randn(4, 2, 8)
+    with pytest.raises(ValueError, match="contiguous"):
+        prefill_kernel.paged_prefill_attention(q, torch.randn(2, 1, 16, 1, 8), torch.tensor([0]), 0,
+                                               torch.empty(4, 8, 2).transpose(1, 2))
