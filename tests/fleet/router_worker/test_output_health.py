@@ -59,8 +59,10 @@ async def test_corrupted_weight_marks_the_worker_unhealthy_at_the_router(tiny_ch
         await asyncio.sleep(1.0)  # several checks pass on the weights it loaded
         assert await healthy()
 
-        with torch.no_grad():  # between steps, as a bit flip would land: no request is running
-            engines[0].runner.model.model.layers[0].mlp.down_proj.weight.mul_(-1.0)
+        # Between steps, as a bit flip would land (no request is running); a norm's weight, dense where the
+        # linears' are packed for oneDNN.
+        with torch.no_grad():
+            engines[0].runner.model.model.layers[0].post_attention_layernorm.weight.mul_(-1.0)
         await async_wait_until(unhealthy, timeout_s=10, what="the router to see the failed check")
         current = await status()
         assert current.load.output_check_failure.startswith("output check failed: token")
