@@ -60,7 +60,13 @@ def _label_kernels() -> None:
         from flotilla.engine.model import fused_ops
     except ImportError:  # an engine from before the fused element-wise kernels (A/B against an older checkout)
         fused_ops = None
+    try:
+        from flotilla.engine.model import prefill_kernel
+    except ImportError:  # an engine from before the prefill kernel
+        prefill_kernel = None
     kernels = [(decode_kernel, ("paged_decode_attention",))]
+    if prefill_kernel is not None:
+        kernels.append((prefill_kernel, ("paged_prefill_attention",)))
     if fused_ops is not None:
         kernels.append((fused_ops, ("rms_norm", "add_rms_norm", "silu_mul", "rope_in_place")))
     for module, names in kernels:
