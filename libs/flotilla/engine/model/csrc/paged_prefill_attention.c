@@ -122,41 +122,33 @@ static inline __attribute__((always_inline)) void score_rows(const float *querie
  * `count` keys whose V rows are v_rows[i]: each V row's chunk is loaded once for all the rows. (Unlike score_rows,
  * code per row count measured 15-30% slower here; why was not looked into.) */
 static inline __attribute__((always_inline)) void weigh_values(float *outputs, const float *correction,
-                                                               const float (*p)[KEY_TILE], int rows, const float *const *v_rows,
-                                                               int count, const int64_t D) {
+                                                               const float (*p)[KEY_TILE], int rows,
+                                                               const float *const *v_rows, int count,
+                                                               const int64_t D) {
+/* One body for both chunk widths (VT: v16f or v8f, WIDTH its floats). */
+#define WEIGH_VALUES_IN_CHUNKS(VT, WIDTH)                                              \
+    for (int64_t d = 0; d < D; d += WIDTH) {                                           \
+        VT acc[ROW_BLOCK];                                                             \
+        for (int r = 0; r < rows; r++) {                                               \
+            memcpy(&acc[r], outputs + r * D + d, sizeof acc[r]);                       \
+            acc[r] *= correction[r];                                                   \
+        }                                                                              \
+        for (int i = 0; i < count; i++) {                                              \
+            VT v;                                                                      \
+            memcpy(&v, v_rows[i] + d, sizeof v);                                       \
+            for (int r = 0; r < ROW_BLOCK; r++)                                        \
+                if (r < rows) acc[r] += p[r][i] * v;                                   \
+        }                                                                              \
+        for (int r = 0; r < rows; r++) memcpy(outputs + r * D + d, &acc[r], sizeof acc[r]); \
+    }
 #if defined(__AVX512F__)
     if (D % 16 == 0) {
-        for (int64_t d = 0; d < D; d += 16) {
-            v16f acc[ROW_BLOCK];
-            for (int r = 0; r < rows; r++) {
-                memcpy(&acc[r], outputs + r * D + d, sizeof acc[r]);
-                acc[r] *= correction[r];
-            }
-            for (int i = 0; i < count; i++) {
-                v16f v;
-                memcpy(&v, v_rows[i] + d, sizeof v);
-                for (int r = 0; r < ROW_BLOCK; r++)
-                    if (r < rows) acc[r] += p[r][i] * v;
-            }
-            for (int r = 0; r < rows; r++) memcpy(outputs + r * D + d, &acc[r], sizeof acc[r]);
-        }
+        WEIGH_VALUES_IN_CHUNKS(v16f, 16)
         return;
     }
 #endif
-    for (int64_t d = 0; d < D; d += 8) {
-        v8f acc[ROW_BLOCK];
-        for (int r = 0; r < rows; r++) {
-            memcpy(&acc[r], outputs + r * D + d, sizeof acc[r]);
-            acc[r] *= correction[r];
-        }
-        for (int i = 0; i < count; i++) {
-            v8f v;
-            memcpy(&v, v_rows[i] + d, sizeof v);
-            for (int r = 0; r < ROW_BLOCK; r++)
-                if (r < rows) acc[r] += p[r][i] * v;
-        }
-        for (int r = 0; r < rows; r++) memcpy(outputs + r * D + d, &acc[r], sizeof acc[r]);
-    }
+    WEIGH_VALUES_IN_CHUNKS(v8f, 8)
+#undef WEIGH_VALUES_IN_CHUNKS
 }
 
 static inline __attribute__((always_inline)) void attend_tile_d(
