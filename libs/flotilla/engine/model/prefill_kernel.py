@@ -61,5 +61,6 @@ def paged_prefill_attention(
         head_dim ** -0.5 if scale is None else scale, window or 0, softcap or 0.0, torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
-        raise RuntimeError(f"prefill kernel failed ({status}) for {num_heads} heads, {num_kv_heads} KV heads, D {head_dim}")
+        raise RuntimeError(f"prefill kernel failed ({status}) for {num_heads} heads, {num_kv_heads} KV heads of "
+                           f"{head_dim}")
     return out
