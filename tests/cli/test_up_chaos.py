@@ -24,7 +24,9 @@ from .flotilla_up import API_KEY, FlotillaUp, is_free, is_gone, openai_client, s
 from .flotilla_up import chat_stream as shared_chat_stream
 
 NUM_STREAMS = 16
-MAX_TOKENS = 64  # long enough that worker-1 still holds streams when the kill lands (24 once was not)
+# Long enough that worker-1 still holds streams when the kill lands: the kill follows the client's reading, which
+# lags the workers (24 once was not enough; 64 was not once the engine's linears and prefill got ~2x faster).
+MAX_TOKENS = 256
 KILL_AFTER_CHUNKS = 2  # early: the tiny model's streams are short
 TOPICS = ["ships", "harbours", "lighthouses", "tides", "knots", "sails", "anchors", "compasses"]
 PROMPTS = [f"Tell me about {TOPICS[i % 8]} number {i}." for i in range(NUM_STREAMS)]

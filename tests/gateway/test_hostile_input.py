@@ -34,7 +34,7 @@ def test_deeply_nested_json(gateway, path, depth):
 
 
 @pytest.mark.parametrize("path", ROUTES)
-@pytest.mark.parametrize("value", ["9" * 5000, "١٢٣".encode(), "-5", "0", "1e3", "12 34"])
+@pytest.mark.parametrize("value", ["9" * 5000, "١٢٣".encode(), "-5", "0", "1e3", "12 34", b"\xa0600", b"600\x85"])
 def test_deadline_header_is_parsed_strictly(gateway, path, value):
     # Bytes go on the wire as they are: Arabic-Indic digits in UTF-8, which str.isdigit() would accept.
     error = _assert_dialect_400(_post(gateway, path, json=ROUTES[path], **{"x-flotilla-deadline-ms": value}), path)
@@ -79,6 +79,15 @@ def test_the_priority_header_only_lowers_a_keys_class(gateway, path):
     assert "may only lower it" in error["message"]
     assert post(gateway.batch_key, "batch").status_code == 200
     assert post(gateway.paid_key, "batch").status_code == 200
+
+
+@pytest.mark.parametrize("path", ROUTES)
+@pytest.mark.parametrize("value", [b"\xa0batch", b"batch\x85", b"", b"batch,interactive"])
+def test_a_priority_header_that_is_not_a_class_is_refused(gateway, path, value):
+    """HTTP strips only spaces and tabs around a value (RFC 9110's OWS): a no-break space (0xA0 in latin-1) or a
+    NEL (0x85), which str.strip() would also remove, leaves a value that is not a class (the fuzzer found this)."""
+    error = _assert_dialect_400(_post(gateway, path, json=ROUTES[path], **{"x-flotilla-priority": value}), path)
+    assert "x-flotilla-priority" in error["message"]
 
 
 @pytest.mark.parametrize("path", ROUTES)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from starlette.requests import Request
 
 from flotilla.engine.request import FinishReason, Priority
-from flotilla.gateway.auth import Principal
+from flotilla.gateway.auth import HTTP_WHITESPACE, Principal
 from flotilla.gateway.degradation import DEGRADED_HEADER, Degradation, plan
 from flotilla.gateway.dialects import Dialect
 from flotilla.gateway.errors import ErrorKind, GatewayError
@@ -123,7 +123,7 @@ def _requested_deadline_s(request: Request) -> float:
     if value is None:
         return 0.0
     # Checked as text first: int() of thousands of digits is slow or refused, and "١٢" is a digit to isdigit().
-    value = value.strip()
+    value = value.strip(HTTP_WHITESPACE)
     if not 1 <= len(value) <= MAX_DEADLINE_DIGITS or not value.isascii() or not value.isdigit() or int(value) == 0:
         raise GatewayError(ErrorKind.INVALID_REQUEST, f"{DEADLINE_HEADER} must be a positive integer of at most "
                            f"{MAX_DEADLINE_DIGITS} digits (milliseconds)", param=DEADLINE_HEADER)

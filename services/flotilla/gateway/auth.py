@@ -19,6 +19,9 @@ from flotilla.tenancy.gatekeeper import Gatekeeper
 from flotilla.tenancy.records import PRIORITY_CLASSES, Limits, TenantKey
 
 PRIORITY_HEADER = "x-flotilla-priority"
+# What HTTP strips around a field value (RFC 9110's OWS). str.strip() also strips a latin-1 no-break space or NEL,
+# which would make " batch" with a 0xA0 in front a class.
+HTTP_WHITESPACE = " \t"
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,8 @@ def _requested_priority(headers: Headers) -> str | None:
     value = headers.get(PRIORITY_HEADER)
     if value is None:
         return None
-    if value.strip().lower() not in PRIORITY_CLASSES:
+    value = value.strip(HTTP_WHITESPACE).lower()
+    if value not in PRIORITY_CLASSES:
         raise GatewayError(ErrorKind.INVALID_REQUEST, f"{PRIORITY_HEADER} must be one of {PRIORITY_CLASSES}",
                            param=PRIORITY_HEADER)
-    return value.strip().lower()
+    return value
