@@ -94,3 +94,12 @@ def test_auto_packs_float32_on_a_cpu_only():
 def test_backends_that_cannot_apply_are_refused(name, device, dtype, message):
     with pytest.raises(ValueError, match=message):
         cpu_linear.resolve(name, torch.device(device), dtype)
+
+
+def test_the_engine_config_refuses_an_unknown_backend():
+    from flotilla.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="cpu_linear_backend"):
+        EngineConfig(model_dir="unused", cpu_linear_backend="mkl").validate()
+    EngineConfig(model_dir="unused", cpu_linear_backend="torch").validate()
+
