@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "head_dims.h"
 #include "vector_exp.h"
 
 /* Ask for `floats` of the row of token `offset` of the next block while this block's row is read: blocks lie
@@ -235,12 +236,7 @@ static void attend_sequence(const float *q, const float *k_cache, const float *v
                             float *out) {
 #define ATTEND(D) attend_sequence_d(q, k_cache, v_cache, table, first, context_len, block_size, num_heads, \
                                     num_kv_heads, scale, softcap, scores, out, D)
-    switch (head_dim) {
-        case 32: ATTEND(32); break;
-        case 64: ATTEND(64); break;
-        case 128: ATTEND(128); break;
-        default: ATTEND(head_dim);
-    }
+    FLOTILLA_FOR_HEAD_DIM(head_dim, ATTEND)
 #undef ATTEND
 }
 

@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "head_dims.h"
 #include "vector_exp.h"
 
 /* Keys per step: one vector of scores per row, 16 wide where the CPU has AVX-512, else 8. */
@@ -235,12 +236,7 @@ static void attend_tile(const float *q, int64_t q_stride, const float *k_cache, 
                         float scale, int64_t window, float softcap, float *out, Scratch *s) {
 #define ATTEND(D) attend_tile_d(q, q_stride, k_cache, v_cache, table, block_size, num_heads, num_kv_heads, kv_head, \
                                 start, first_query, last_query, scale, window, softcap, out, s, D)
-    switch (head_dim) {
-        case 32: ATTEND(32); break;
-        case 64: ATTEND(64); break;
-        case 128: ATTEND(128); break;
-        default: ATTEND(head_dim);
-    }
+    FLOTILLA_FOR_HEAD_DIM(head_dim, ATTEND)
 #undef ATTEND
 }
 
