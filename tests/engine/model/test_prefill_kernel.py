@@ -3,10 +3,13 @@ through the block table): shuffled block tables, GQA, head sizes the kernel comp
 after a prefix, windows, soft-caps, query rows that are a strided slice of the fused qkv, and lengths that leave
 partial query and key tiles."""
 
+import platform
+
 import pytest
 import torch
 
 from flotilla.engine.model import prefill_kernel
+from flotilla.engine.model.kernel_build import KernelLibrary
 
 pytestmark = [pytest.mark.unit,
               pytest.mark.skipif(prefill_kernel.load() is None, reason="no C compiler for the CPU kernels")]
@@ -42,14 +45,39 @@ CASES = [  # (queries, start, heads, kv heads, head dim, block size, window, sof
     (40, 0, 8, 2, 16, 4, 8, 3.0),  # window and soft-cap (Gemma 2's shape)
     (2, 0, 2, 1, 8, 16, None, None),  # two queries, G 2
     (1, 9, 4, 2, 32, 16, None, None),  # one query past a prefix
+    (300, 0, 8, 4, 32, 16, None, None),  # several query tiles and key blocks from position 0
+    (200, 90, 12, 4, 64, 16, 100, None),  # a window spanning key blocks that starts inside one
 ]
+
+
+def _avx2_build() -> KernelLibrary | None:
+    """The kernel built without AVX-512 (x86-64 only): its 8-wide code, which CPUs without AVX-512 run, is
+    otherwise never tested on one that has it. Built at collection, as the native build is (`pytestmark`): a unit
+    test may not start a process."""
+    if platform.machine() not in ("x86_64", "AMD64") or prefill_kernel.load() is None:
+        return None
+    library = KernelLibrary(prefill_kernel.SOURCE.name, [*prefill_kernel.CFLAGS, "-mno-avx512f"],
+                            prefill_kernel._declare)
+    return library if library.load() is not None else None
+
+
+AVX2_BUILD = _avx2_build()
+
+
+@pytest.fixture(params=["native", "avx2"])
+def kernel_build(request, monkeypatch):
+    if request.param == "avx2":
+        if AVX2_BUILD is None:
+            pytest.skip("no x86-64 build without AVX-512 here")
+        monkeypatch.setattr(prefill_kernel, "_library", AVX2_BUILD)
+    return request.param
 
 
 @pytest.mark.parametrize(("num_queries", "start", "heads", "kv_heads", "head_dim", "block_size", "window", "softcap"),
                          CASES)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_kernel_equals_the_definition(num_queries, start, heads, kv_heads, head_dim, block_size, window, softcap,
-                                          threads):
+                                          threads, kernel_build):
     generator = torch.Generator().manual_seed(num_queries * 31 + start)
     context_len = start + num_queries
     num_blocks = -(-context_len // block_size)
