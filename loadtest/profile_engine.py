@@ -65,8 +65,10 @@ def _label_kernels() -> None:
     except ImportError:  # an engine from before the prefill kernel
         prefill_kernel = None
     kernels = [(decode_kernel, ("paged_decode_attention",))]
-    if prefill_kernel is not None:
-        kernels.append((prefill_kernel, ("paged_prefill_attention",)))
+    if prefill_kernel is not None:  # the batched entry point (one call per layer) is newer than the kernel
+        kernels.append((prefill_kernel, tuple(name for name in ("paged_prefill_attention",
+                                                                "paged_prefill_attention_batch")
+                                              if hasattr(prefill_kernel, name))))
     if fused_ops is not None:
         kernels.append((fused_ops, ("rms_norm", "add_rms_norm", "silu_mul", "rope_in_place")))
     for module, names in kernels:

@@ -108,3 +108,40 @@ def test_a_bad_output_tensor_is_refused():
     with pytest.raises(ValueError, match="contiguous"):
         prefill_kernel.paged_prefill_attention(q, torch.randn(2, 1, 16, 1, 8), torch.tensor([0]), 0,
                                                torch.empty(4, 8, 2).transpose(1, 2))
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (40, None), (None, 2.5)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_call_for_a_steps_chunks_equals_each_chunk_alone(window, softcap, threads, kernel_build):
+    """A step's prefill chunks in one call (rows side by side in q and out, tables padded to one width, decode
+    rows between them left alone) give each chunk what the definition gives it alone."""
+    generator = torch.Generator().manual_seed(7)
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    chunks = [(0, 150), (64, 3), (130, 70), (0, 2)]  # (start, queries): long and short, from 0 and after a prefix
+    rows_between = 5  # rows of other sequences between chunks (decode rows in the engine's step)
+    widths = [-(-(start + count) // block_size) for start, count in chunks]
+    num_blocks = sum(widths) + 5
+    kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=generator)
+    order = torch.randperm(num_blocks, generator=generator)
+    tables = torch.zeros(len(chunks), max(widths), dtype=torch.int64)
+    taken, row_offsets, row = 0, [], 0
+    for c, width in enumerate(widths):
+        tables[c, :width] = order[taken:taken + width]
+        taken += width
+        row_offsets.append(row)
+        row += chunks[c][1] + rows_between
+    qkv = torch.randn(row, (heads + 2 * kv_heads) * head_dim, generator=generator)
+    q = qkv[:, : heads * head_dim].view(row, heads, head_dim)
+    out = torch.full((row, heads, head_dim), float("nan"))
+    batch = prefill_kernel.PrefillBatch.build(tables, [s for s, _ in chunks], row_offsets, [n for _, n in chunks])
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        prefill_kernel.paged_prefill_attention_batch(q, kv_cache, batch, out, 0.2, window, softcap)
+    finally:
+        torch.set_num_threads(previous)
+    for c, (start, count) in enumerate(chunks):
+        rows = slice(row_offsets[c], row_offsets[c] + count)
+        expected = definition(q[rows], kv_cache, tables[c, :widths[c]], start, 0.2, window, softcap)
+        torch.testing.assert_close(out[rows], expected, atol=2e-5, rtol=2e-5)
+        assert out[row_offsets[c] + count: row_offsets[c] + count + rows_between].isnan().all()  # not written

@@ -88,7 +88,9 @@ class AttentionMetadata:
     decode_groups: tuple[DecodeBatch, ...]
     prefills: tuple[PrefillChunk, ...]
     decode_rows: DecodeRows | None = None  # set instead of decode_groups when the CPU kernel runs decode
-    use_prefill_kernel: bool = False  # prefill chunks through the CPU kernel (reads blocks in place; no masks built)
+    # Set when the CPU prefill kernel runs the prefill chunks (one call per layer; it reads blocks in place, so
+    # `prefills` then carries no masks)
+    prefill_batch: prefill_kernel.PrefillBatch | None = None
     rope_lens: torch.Tensor | None = None  # [T] the rope length of each token (SeqChunk.num_prompt_tokens)
     max_rope_len: int = 0  # their maximum
     sliding_window: int | None = None  # the window the window masks were built for
@@ -138,12 +140,17 @@ class AttentionMetadata:
                 _decode_batch(group, offsets, ends, block_tables, block_size, device, sliding_window)
                 for group in _decode_groups(decode_ids, ends, group_tokens)
             )
+        prefill_ids = [i for i, count in enumerate(counts) if count > 1 and not use_triton]
         prefills = tuple(
             _prefill_chunk(starts[i], counts[i], offsets[i], block_tables[i], block_size, device, sliding_window,
                            masks=not use_prefill_kernel)
-            for i in range(len(seqs))
-            if counts[i] > 1 and not use_triton
+            for i in prefill_ids
         )
+        prefill_batch = None
+        if use_prefill_kernel and prefill_ids:
+            prefill_batch = prefill_kernel.PrefillBatch.build(
+                block_tables[prefill_ids], [starts[i] for i in prefill_ids], [offsets[i] for i in prefill_ids],
+                [counts[i] for i in prefill_ids])
         # rope length max(floor, position + 1): floor is the prompt length, or the chunk's end when not given
         floors = [end if seq.num_prompt_tokens is None else seq.num_prompt_tokens for seq, end in zip(seqs, ends)]
         floor_of_token = torch.tensor(floors, dtype=torch.int64, device=device)[seq_of_token]
@@ -155,7 +162,7 @@ class AttentionMetadata:
             block_tables=block_tables,
             decode_groups=decode_groups,
             decode_rows=decode_rows,
-            use_prefill_kernel=use_prefill_kernel and bool(prefills),
+            prefill_batch=prefill_batch,
             prefills=prefills,
             rope_lens=torch.maximum(floor_of_token, positions + 1),
             max_rope_len=max(max(floor, end) for floor, end in zip(floors, ends)),
@@ -328,13 +335,11 @@ def paged_attention(
         _decode_attention(q, kv_cache, group, out, scores)
     if meta.decode_rows is not None:
         _decode_with_kernel(q, kv_cache, meta.decode_rows, out, scale, window, softcap)
+    if meta.prefill_batch is not None:
+        prefill_kernel.paged_prefill_attention_batch(q, kv_cache, meta.prefill_batch, out, scale, window, softcap)
+        return out
     for chunk in meta.prefills:
-        if meta.use_prefill_kernel:
-            start = chunk.context_len - (chunk.token_slice.stop - chunk.token_slice.start)
-            prefill_kernel.paged_prefill_attention(q[chunk.token_slice], kv_cache, chunk.block_ids, start,
-                                                   out[chunk.token_slice], scale, window, softcap)
-        else:
-            out[chunk.token_slice] = _prefill_attention(q[chunk.token_slice], kv_cache, chunk, scores)
+        out[chunk.token_slice] = _prefill_attention(q[chunk.token_slice], kv_cache, chunk, scores)
     return out
 
 

@@ -6,6 +6,7 @@ attention uses the torch path (block gather + SDPA)."""
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple
 
 import torch
 
@@ -15,11 +16,19 @@ from flotilla.engine.model.kernel_build import CSRC, KernelLibrary
 SOURCE = CSRC / "paged_prefill_attention.c"
 
 
+_TAIL = [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int]  # scale, window, softcap, threads
+
+
 def _declare(library: ctypes.CDLL) -> None:
     library.paged_prefill_attention_f32.restype = ctypes.c_int
     library.paged_prefill_attention_f32.argtypes = (
-        [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 7
-        + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int]  # scale, window, softcap, threads
+        [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 7 + _TAIL
+    )
+    library.paged_prefill_attention_batch_f32.restype = ctypes.c_int
+    library.paged_prefill_attention_batch_f32.argtypes = (
+        [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]  # q, stride, kv, tables
+        + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p]  # starts, row offsets, counts, chunks, out
+        + [ctypes.c_int64] * 5 + _TAIL  # heads, KV heads, head size, pool blocks, block size
     )
 
 
@@ -60,7 +69,55 @@ def paged_prefill_attention(
         num_heads, num_kv_heads, head_dim, num_blocks, block_size,
         head_dim ** -0.5 if scale is None else scale, window or 0, softcap or 0.0, torch.get_num_threads(),
     )  # fmt: skip
+    _check(status, num_heads, num_kv_heads, head_dim)
+    return out
+
+
+def paged_prefill_attention_batch(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    chunks: PrefillBatch,
+    out: torch.Tensor,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Every prefill chunk of a step in one call (one OpenMP region, work spread over all the chunks' tiles):
+    q [T, H, D] (rows may be strided) and out [T, H, D] (contiguous float32) hold the whole step's rows; chunk c
+    is rows chunks.row_offsets[c].. of them, as paged_prefill_attention describes."""
+    num_tokens, num_heads, head_dim = q.shape
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    if out.shape != q.shape or not out.is_contiguous() or out.dtype != torch.float32:
+        raise ValueError(f"out must be a contiguous {tuple(q.shape)} float32 tensor, got {tuple(out.shape)}")
+    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    status = load().paged_prefill_attention_batch_f32(
+        q.data_ptr(), q.stride(0), kv_cache.data_ptr(), chunks.tables.data_ptr(), chunks.tables.shape[1],
+        chunks.starts.data_ptr(), chunks.row_offsets.data_ptr(), chunks.counts.data_ptr(), chunks.starts.shape[0],
+        out.data_ptr(), num_heads, num_kv_heads, head_dim, num_blocks, block_size,
+        head_dim ** -0.5 if scale is None else scale, window or 0, softcap or 0.0, torch.get_num_threads(),
+    )  # fmt: skip
+    _check(status, num_heads, num_kv_heads, head_dim)
+    return out
+
+
+class PrefillBatch(NamedTuple):
+    """The prefill chunks of a step for paged_prefill_attention_batch: int64 CPU tensors, contiguous."""
+
+    tables: torch.Tensor  # [N, W] each chunk's block table (padded)
+    starts: torch.Tensor  # [N] position of each chunk's first query
+    row_offsets: torch.Tensor  # [N] its first row in q and out
+    counts: torch.Tensor  # [N] its number of queries
+
+    @classmethod
+    def build(cls, tables: torch.Tensor, starts: list[int], row_offsets: list[int], counts: list[int]) -> PrefillBatch:
+        def column(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64)
+
+        return cls(tables.contiguous(), column(starts), column(row_offsets), column(counts))
+
+
+def _check(status: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
     if status != 0:
         raise RuntimeError(f"prefill kernel failed ({status}) for {num_heads} heads, {num_kv_heads} KV heads of "
                            f"{head_dim}")
-    return out

@@ -211,7 +211,7 @@ static inline __attribute__((always_inline)) float softmax_step(vec scores[KEY_V
         const vec minus_infinity = (vec){0} - INFINITY;
         for (int v = 0; v < KEY_VECTORS; v++) {
             const vec_int lane = LANES + v * WIDTH; /* key t + lane */
-            scores[v] = select_vec(lane >= first_hidden | lane <= last_unseen, minus_infinity, scores[v]);
+            scores[v] = select_vec((lane >= first_hidden) | (lane <= last_unseen), minus_infinity, scores[v]);
         }
     }
     vec m = scores[0];
@@ -303,23 +303,84 @@ static void attend_tile(const float *q, int64_t q_stride, const Keys *keys, cons
 #undef ATTEND
 }
 
-/* head_dim % 8 == 0 (the caller checks). Returns 0, -1 for bad head counts, -2 when memory cannot be had. */
-int paged_prefill_attention_f32(const float *q, int64_t q_stride, const float *kv, const int64_t *table, float *out,
-                                int64_t num_queries, int64_t start, int64_t num_heads, int64_t num_kv_heads,
-                                int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale, int64_t window,
-                                float softcap, int num_threads) {
-    if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim % 8) return -1;
+/* One sequence's chunk of the step: its rows of q and out, its block table and positions, its keys. */
+typedef struct {
+    const float *q;
+    float *out;
+    const int64_t *table;
+    int64_t start, num_queries;
+    Keys keys;
+} Chunk;
+
+/* A work item: query tile `tile` of chunk `chunk` for one KV head; cost is the keys it reads. A transpose item:
+ * key block `block` of chunk `chunk`. */
+typedef struct {
+    int64_t chunk, tile, kv_head, cost;
+} WorkItem;
+
+static int costlier_first(const void *a, const void *b) {
+    const int64_t x = ((const WorkItem *)a)->cost, y = ((const WorkItem *)b)->cost;
+    return (x < y) - (x > y);
+}
+
+/* Every prefill chunk of a step in one call (one OpenMP region per layer, not one per sequence: waking the
+ * threads costs tens of microseconds each time, and a short prompt alone has too few tiles to keep both threads
+ * busy). Chunk c: queries at positions starts[c].. (counts[c] of them) in rows row_offsets[c].. of q and out,
+ * block table tables[c * table_width ..]. head_dim % 8 == 0 (the caller checks). Returns 0, -1 for bad head
+ * counts, -2 when memory cannot be had. */
+int paged_prefill_attention_batch_f32(const float *q, int64_t q_stride, const float *kv, const int64_t *tables,
+                                      int64_t table_width, const int64_t *starts, const int64_t *row_offsets,
+                                      const int64_t *counts, int64_t num_chunks, float *out, int64_t num_heads,
+                                      int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
+                                      float scale, int64_t window, float softcap, int num_threads) {
+    if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim % 8 || num_chunks < 0) return -1;
+    if (num_chunks == 0) return 0;
     const float *k_cache = kv;
     const float *v_cache = kv + num_blocks * block_size * num_kv_heads * head_dim;
-    const int64_t last_position = start + num_queries - 1;
-    const int64_t first_key = window > 0 && start - window + 1 > 0 ? start - window + 1 : 0;
-    Keys keys = {NULL, NULL, first_key / KEY_BLOCK * KEY_BLOCK, 0};
-    keys.num_blocks = (last_position - keys.key_base) / KEY_BLOCK + 1;
-    keys.keys_t = aligned_alloc(64, sizeof(float) * num_kv_heads * keys.num_blocks * head_dim * KEY_BLOCK);
-    keys.slots = malloc(sizeof(int64_t) * keys.num_blocks * KEY_BLOCK);
-    const int64_t num_tiles = (num_queries + QUERY_TILE - 1) / QUERY_TILE;
+    Chunk *chunks = malloc(sizeof(Chunk) * num_chunks);
+    if (chunks == NULL) return -2;
+    int64_t total_key_blocks = 0, total_items = 0;
+    for (int64_t c = 0; c < num_chunks; c++) {
+        Chunk *chunk = &chunks[c];
+        chunk->q = q + row_offsets[c] * q_stride;
+        chunk->out = out + row_offsets[c] * num_heads * head_dim;
+        chunk->table = tables + c * table_width;
+        chunk->start = starts[c];
+        chunk->num_queries = counts[c];
+        const int64_t last_position = starts[c] + counts[c] - 1;
+        const int64_t first_key = window > 0 && starts[c] - window + 1 > 0 ? starts[c] - window + 1 : 0;
+        chunk->keys.key_base = first_key / KEY_BLOCK * KEY_BLOCK;
+        chunk->keys.num_blocks = counts[c] > 0 ? (last_position - chunk->keys.key_base) / KEY_BLOCK + 1 : 0;
+        total_key_blocks += chunk->keys.num_blocks;
+        total_items += (counts[c] + QUERY_TILE - 1) / QUERY_TILE * num_kv_heads;
+    }
+    float *keys_t = aligned_alloc(64, sizeof(float) * (total_key_blocks * num_kv_heads * head_dim * KEY_BLOCK + 16));
+    int64_t *slots = malloc(sizeof(int64_t) * (total_key_blocks * KEY_BLOCK + 1));
+    WorkItem *transposes = malloc(sizeof(WorkItem) * (total_key_blocks + 1));
+    WorkItem *items = malloc(sizeof(WorkItem) * (total_items + 1));
+    int status = keys_t && slots && transposes && items ? 0 : -2;
+    if (status == 0) {
+        int64_t blocks_so_far = 0, item = 0;
+        for (int64_t c = 0; c < num_chunks; c++) {
+            Chunk *chunk = &chunks[c];
+            chunk->keys.keys_t = keys_t + blocks_so_far * num_kv_heads * head_dim * KEY_BLOCK;
+            chunk->keys.slots = slots + blocks_so_far * KEY_BLOCK;
+            for (int64_t block = 0; block < chunk->keys.num_blocks; block++)
+                transposes[blocks_so_far + block] = (WorkItem){c, block, 0, 0};
+            blocks_so_far += chunk->keys.num_blocks;
+            for (int64_t tile = 0; tile * QUERY_TILE < chunk->num_queries; tile++) {
+                const int64_t first = chunk->start + tile * QUERY_TILE;
+                const int64_t last = first + QUERY_TILE < chunk->start + chunk->num_queries
+                                         ? first + QUERY_TILE - 1 : chunk->start + chunk->num_queries - 1;
+                const int64_t first_key = window > 0 && first - window + 1 > 0 ? first - window + 1 : 0;
+                for (int64_t kv_head = 0; kv_head < num_kv_heads; kv_head++)
+                    items[item++] = (WorkItem){c, tile, kv_head, last + 1 - first_key};
+            }
+        }
+        /* Items that read the most keys first, one at a time, so that the threads end together. */
+        qsort(items, total_items, sizeof(WorkItem), costlier_first);
+    }
     const int64_t rows = (QUERY_TILE * (num_heads / num_kv_heads) + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
-    int status = keys.keys_t && keys.slots ? 0 : -2;
 #pragma omp parallel num_threads(num_threads) if (status == 0)
     {
         Scratch scratch = {0};
@@ -327,22 +388,38 @@ int paged_prefill_attention_f32(const float *q, int64_t q_stride, const float *k
         if (!ok) status = -2;
         /* K transposed once per call, not once per query tile. */
 #pragma omp for schedule(static)
-        for (int64_t block = 0; block < keys.num_blocks; block++)
-            if (ok) transpose_key_block(&keys, k_cache, table, block_size, num_kv_heads, head_dim, last_position, block);
-        /* Later tiles see more keys: hand them out first, one at a time, so the threads end together. */
-#pragma omp for schedule(dynamic, 1) collapse(2)
-        for (int64_t tile = num_tiles - 1; tile >= 0; tile--) {
-            for (int64_t kv_head = 0; kv_head < num_kv_heads; kv_head++) {
-                if (status != 0) continue;
-                const int64_t first = tile * QUERY_TILE;
-                const int64_t last = first + QUERY_TILE < num_queries ? first + QUERY_TILE : num_queries;
-                attend_tile(q, q_stride, &keys, v_cache, num_heads, num_kv_heads, head_dim, kv_head, start, first,
-                            last, scale, window, softcap, out, &scratch);
-            }
+        for (int64_t i = 0; i < total_key_blocks; i++) {
+            if (!ok) continue;
+            const Chunk *chunk = &chunks[transposes[i].chunk];
+            transpose_key_block(&chunk->keys, k_cache, chunk->table, block_size, num_kv_heads, head_dim,
+                                chunk->start + chunk->num_queries - 1, transposes[i].tile);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < total_items; i++) {
+            if (status != 0) continue;
+            const Chunk *chunk = &chunks[items[i].chunk];
+            const int64_t first = items[i].tile * QUERY_TILE;
+            const int64_t last = first + QUERY_TILE < chunk->num_queries ? first + QUERY_TILE : chunk->num_queries;
+            attend_tile(chunk->q, q_stride, &chunk->keys, v_cache, num_heads, num_kv_heads, head_dim,
+                        items[i].kv_head, chunk->start, first, last, scale, window, softcap, chunk->out, &scratch);
         }
         scratch_free(&scratch);
     }
-    free(keys.keys_t);
-    free(keys.slots);
+    free(chunks);
+    free(keys_t);
+    free(slots);
+    free(transposes);
+    free(items);
     return status;
+}
+
+/* One sequence's chunk (the batch of one). */
+int paged_prefill_attention_f32(const float *q, int64_t q_stride, const float *kv, const int64_t *table, float *out,
+                                int64_t num_queries, int64_t start, int64_t num_heads, int64_t num_kv_heads,
+                                int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale, int64_t window,
+                                float softcap, int num_threads) {
+    const int64_t row_offset = 0;
+    return paged_prefill_attention_batch_f32(q, q_stride, kv, table, 0, &start, &row_offset, &num_queries, 1, out,
+                                             num_heads, num_kv_heads, head_dim, num_blocks, block_size, scale, window,
+                                             softcap, num_threads);
 }
