@@ -150,33 +150,42 @@ static inline __attribute__((always_inline)) void score_keys(const float *q, con
     }
 }
 
-/* Each head's scores in place become its softmax: exp eight keys at a time (exp8; libm's expf is a scalar call). */
-static void softmax_rows(float *scores, int64_t num_heads, int64_t num_keys) {
+/* Each head's scores in place become exp(score - the head's max), and sums[h] their sum: the division is left to
+ * the head's output (D multiplies, not one per key). exp 16 keys at a time with AVX-512, else 8 (libm's expf is a
+ * scalar call). */
+#define EXPONENTIATE_ROW(VF, WIDTH, EXP)           \
+    {                                              \
+        VF partial = {0};                          \
+        for (; t + WIDTH <= num_keys; t += WIDTH) { \
+            VF x;                                  \
+            memcpy(&x, row + t, sizeof x);         \
+            x = EXP(x - max_score);                \
+            memcpy(row + t, &x, sizeof x);         \
+            partial += x;                          \
+        }                                          \
+        for (int i = 0; i < WIDTH; i++) total += partial[i]; \
+    }
+
+static void exponentiate_rows(float *scores, int64_t num_heads, int64_t num_keys, float *sums) {
     for (int64_t h = 0; h < num_heads; h++) {
         float *row = scores + h * num_keys;
         float max_score = -INFINITY;
 #pragma omp simd reduction(max : max_score)
         for (int64_t t = 0; t < num_keys; t++) max_score = row[t] > max_score ? row[t] : max_score;
-        v8f sums = {0};
-        int64_t t = 0;
-        for (; t + 8 <= num_keys; t += 8) {
-            v8f x;
-            memcpy(&x, row + t, sizeof x);
-            x = exp8(x - max_score);
-            memcpy(row + t, &x, sizeof x);
-            sums += x;
-        }
         float total = 0.0f;
-        for (int i = 0; i < 8; i++) total += sums[i];
+        int64_t t = 0;
+#if defined(__AVX512F__)
+        EXPONENTIATE_ROW(v16f, 16, exp16)
+#endif
+        EXPONENTIATE_ROW(v8f, 8, exp8)
         for (; t < num_keys; t++) {
             row[t] = expf(row[t] - max_score);
             total += row[t];
         }
-        const float inv = 1.0f / total;
-#pragma omp simd
-        for (t = 0; t < num_keys; t++) row[t] *= inv;
+        sums[h] = total;
     }
 }
+#undef EXPONENTIATE_ROW
 
 /* out = the probabilities times V, for every head; V's rows token-major, each read once. */
 static void weigh_values_any(const float *scores, const float *v_cache, const int64_t *table, int64_t first,
@@ -205,8 +214,8 @@ static void weigh_values_any(const float *scores, const float *v_cache, const in
     }
 }
 
-/* One sequence, all heads, over keys first..context_len-1, three passes: scores (K read once), softmax
- * (exp8 over the keys), the weighted sum of V (with AVX2 head by head, each query head of a group reading its KV
+/* One sequence, all heads, over keys first..context_len-1, three passes: scores (K read once), exponentials
+ * (exp16 or exp8 over the keys; each head's output is divided by their sum at the end), the weighted sum of V (with AVX2 head by head, each query head of a group reading its KV
  * head's rows again from cache). Keys are walked block by block and heads by KV head
  * then query head of its group: no integer division in the loops (a 64-bit divide per token and per head was
  * about half of the kernel's time). The common head sizes get code of their own (D a constant: loops unrolled,
@@ -216,18 +225,23 @@ static inline __attribute__((always_inline)) void attend_sequence_d(
     int64_t context_len, int64_t block_size, int64_t num_heads, int64_t num_kv_heads, float scale, float softcap,
     float *scores, float *out, const int64_t D) {
     const int64_t num_keys = context_len - first;
+    float *sums = scores + num_heads * num_keys; /* the caller's buffer holds num_heads more floats */
     score_keys(q, k_cache, table, first, context_len, block_size, num_heads, num_kv_heads, scale, softcap, scores, D);
-    softmax_rows(scores, num_heads, num_keys);
+    exponentiate_rows(scores, num_heads, num_keys, sums);
 #if defined(__AVX2__) && defined(__FMA__)
     if (D % 8 == 0 && D <= 128) {
         const int64_t group = num_heads / num_kv_heads;
         for (int64_t h = 0; h < num_heads; h++)
             weigh_values(scores + h * num_keys, v_cache + (h / group) * D, table, first, context_len, block_size,
                          num_kv_heads * D, out + h * D, D);
-        return;
-    }
+    } else
 #endif
-    weigh_values_any(scores, v_cache, table, first, context_len, block_size, num_heads, num_kv_heads, D, out);
+        weigh_values_any(scores, v_cache, table, first, context_len, block_size, num_heads, num_kv_heads, D, out);
+    for (int64_t h = 0; h < num_heads; h++) {
+        const float inv = 1.0f / sums[h];
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) out[h * D + d] *= inv;
+    }
 }
 
 static void attend_sequence(const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
@@ -255,7 +269,7 @@ int paged_decode_attention_f32(const float *q, const float *kv, const int64_t *b
 #pragma omp for schedule(dynamic, 1)
         for (int64_t b = 0; b < num_seqs; b++) {
             const int64_t first = window > 0 && context_lens[b] > window ? context_lens[b] - window : 0;
-            const int64_t needed = num_heads * (context_lens[b] - first);
+            const int64_t needed = num_heads * (context_lens[b] - first + 1); /* scores, then each head's sum */
             if (needed > capacity) {
                 free(scores);
                 capacity = needed;
