@@ -1,5 +1,6 @@
-"""The CPU prefill-attention kernel (csrc/paged_prefill_attention.c): a chunk of one sequence's queries against
-its keys read in place through the block table, causal, flash order. Built and loaded like the decode kernel
+"""The CPU prefill-attention kernel (csrc/paged_prefill_attention.c): each prefill chunk of a step (one sequence's
+queries) against its keys read in place through its block table, causal, flash order; a layer calls it once for
+all of the step's chunks. Built and loaded like the decode kernel
 (kernel_build.py); where it cannot be built or does not apply (GPU, 16-bit K/V, head size not a multiple of 8),
 attention uses the torch path (block gather + SDPA)."""
 
@@ -16,19 +17,13 @@ from flotilla.engine.model.kernel_build import CSRC, KernelLibrary
 SOURCE = CSRC / "paged_prefill_attention.c"
 
 
-_TAIL = [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int]  # scale, window, softcap, threads
-
-
 def _declare(library: ctypes.CDLL) -> None:
-    library.paged_prefill_attention_f32.restype = ctypes.c_int
-    library.paged_prefill_attention_f32.argtypes = (
-        [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 7 + _TAIL
-    )
     library.paged_prefill_attention_batch_f32.restype = ctypes.c_int
     library.paged_prefill_attention_batch_f32.argtypes = (
         [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]  # q, stride, kv, tables
         + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p]  # starts, row offsets, counts, chunks, out
-        + [ctypes.c_int64] * 5 + _TAIL  # heads, KV heads, head size, pool blocks, block size
+        + [ctypes.c_int64] * 5  # heads, KV heads, head size, pool blocks, block size
+        + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int]  # scale, window, softcap, threads
     )
 
 
@@ -57,20 +52,8 @@ def paged_prefill_attention(
     """q [T, H, D] (rows may be strided: a slice of the fused qkv) of one sequence's queries at positions
     start..start+T-1 -> out [T, H, D] (contiguous float32, written in place); kv_cache [2, num_blocks,
     block_size, H_kv, D] already holding this chunk's K/V; block_table [W] int64 covering start + T tokens."""
-    num_queries, num_heads, head_dim = q.shape
-    if q.stride(2) != 1 or q.stride(1) != head_dim:
-        q = q.contiguous()
-    if out.shape != q.shape or not out.is_contiguous() or out.dtype != torch.float32:
-        raise ValueError(f"out must be a contiguous {tuple(q.shape)} float32 tensor, got {tuple(out.shape)}")
-    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
-    table = block_table.contiguous()
-    status = load().paged_prefill_attention_f32(
-        q.data_ptr(), q.stride(0), kv_cache.data_ptr(), table.data_ptr(), out.data_ptr(), num_queries, start,
-        num_heads, num_kv_heads, head_dim, num_blocks, block_size,
-        head_dim ** -0.5 if scale is None else scale, window or 0, softcap or 0.0, torch.get_num_threads(),
-    )  # fmt: skip
-    _check(status, num_heads, num_kv_heads, head_dim)
-    return out
+    chunk = PrefillBatch.build(block_table[None], [start], [0], [q.shape[0]])
+    return paged_prefill_attention_batch(q, kv_cache, chunk, out, scale, window, softcap)
 
 
 def paged_prefill_attention_batch(
@@ -85,7 +68,7 @@ def paged_prefill_attention_batch(
     """Every prefill chunk of a step in one call (one OpenMP region, work spread over all the chunks' tiles):
     q [T, H, D] (rows may be strided) and out [T, H, D] (contiguous float32) hold the whole step's rows; chunk c
     is rows chunks.row_offsets[c].. of them, as paged_prefill_attention describes."""
-    num_tokens, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
     if out.shape != q.shape or not out.is_contiguous() or out.dtype != torch.float32:
@@ -114,7 +97,7 @@ class PrefillBatch(NamedTuple):
         def column(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64)
 
-        return cls(tables.contiguous(), column(starts), column(row_offsets), column(counts))
+        return cls(tables.to(torch.int64).contiguous(), column(starts), column(row_offsets), column(counts))
 
 
 def _check(status: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:

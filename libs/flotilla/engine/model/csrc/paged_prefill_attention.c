@@ -412,14 +412,3 @@ int paged_prefill_attention_batch_f32(const float *q, int64_t q_stride, const fl
     free(items);
     return status;
 }
-
-/* One sequence's chunk (the batch of one). */
-int paged_prefill_attention_f32(const float *q, int64_t q_stride, const float *kv, const int64_t *table, float *out,
-                                int64_t num_queries, int64_t start, int64_t num_heads, int64_t num_kv_heads,
-                                int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale, int64_t window,
-                                float softcap, int num_threads) {
-    const int64_t row_offset = 0;
-    return paged_prefill_attention_batch_f32(q, q_stride, kv, table, 0, &start, &row_offset, &num_queries, 1, out,
-                                             num_heads, num_kv_heads, head_dim, num_blocks, block_size, scale, window,
-                                             softcap, num_threads);
-}
