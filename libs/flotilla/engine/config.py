@@ -27,6 +27,8 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto": triton on cuda, torch (SDPA + the C decode kernel) on cpu
     # "auto": float32 linears through oneDNN with packed weights on a cpu (model/cpu_linear.py), F.linear elsewhere
     cpu_linear_backend: str = "auto"
+    # On a cpu: glibc keeps the memory freed between steps for the next one rather than unmapping it (host_malloc.py)
+    keep_freed_host_memory: bool = True
     cuda_graphs: bool = True  # capture decode steps on cuda (cuda_graphs.py); ignored on cpu
     cuda_graph_max_batch: int | None = None  # largest captured decode batch; None: max_num_seqs
     cuda_graph_memory_bytes: int = 2 << 30  # captures stop before their pool would pass this

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from flotilla.engine.batch_bound import BatchBoundConfig
 from flotilla.engine.block_hash import chain_root
-from flotilla.engine import cuda_graphs
+from flotilla.engine import cuda_graphs, host_malloc
 from flotilla.engine.config import (
     EngineConfig,
     default_kv_budget,
@@ -57,6 +57,9 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.torch_dtype)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        if self.device.type == "cpu":
+            if config.keep_freed_host_memory:
+                host_malloc.keep_freed_host_memory()  # before the weights and KV pool: they come from the heap too
         self.linear_backend = cpu_linear.resolve(config.cpu_linear_backend, self.device, self.dtype)
         self.tokenizer = Tokenizer.from_pretrained(config.model_dir)
         # Structured outputs (grammar_backend.py); llguidance's vocabulary is built at the first such request.

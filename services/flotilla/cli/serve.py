@@ -33,6 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="auto: the Triton kernels on cuda, the torch path (and C decode kernel) on cpu")
     worker.add_argument("--cpu-linear-backend", choices=("auto", "onednn", "torch"), default="auto",
                         help="auto: float32 linears through oneDNN with packed weights on cpu, F.linear elsewhere")
+    worker.add_argument("--no-keep-freed-host-memory", action="store_true",
+                        help="on cpu, let glibc hand memory freed between steps back to the kernel (smaller resident "
+                             "size between bursts; each step then faults its activations in again)")
     worker.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on cuda")
     worker.add_argument("--block-size", type=int, default=16)
     worker.add_argument("--num-kv-blocks", type=int, default=None)
@@ -203,6 +206,7 @@ def run_worker(args: argparse.Namespace) -> int:
         attention_backend=args.attention_backend,
         cpu_linear_backend=args.cpu_linear_backend,
         cuda_graphs=not args.no_cuda_graphs,
+        keep_freed_host_memory=not args.no_keep_freed_host_memory,
         block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_kv_blocks=args.num_kv_blocks,
