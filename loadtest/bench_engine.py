@@ -59,6 +59,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads for every system (default: torch's)")
     p.add_argument("--device", default="auto", help="auto (cuda when present, else cpu), cpu, cuda, ...")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="engine per-step token budget")
+    # The worker's cpu memory settings, for A/B runs (see `flotilla worker --help`)
+    p.add_argument("--no-keep-freed-host-memory", action="store_true")
+    p.add_argument("--onednn-primitive-cache-capacity", type=int, default=EngineConfig.onednn_primitive_cache_capacity,
+                   metavar="SHAPES", help="0: oneDNN's default (1,024)")
     p.add_argument("--transformers-sample", type=int, default=None, metavar="N",
                    help="time only N evenly spaced requests one at a time and extrapolate tok/s")
     p.add_argument("--transformers-batch-size", type=int, default=16)
@@ -96,9 +100,11 @@ def blocks_needed(workload: Workload, block_size: int) -> int:
     return sum(-(-(len(p) + n) // block_size) + 1 for p, n in zip(workload.prompts, workload.max_tokens))
 
 
-def build_engine(model_dir: str, device: str, num_blocks: int, max_num_batched_tokens: int) -> LLMEngine:
-    return LLMEngine(EngineConfig(model_dir=model_dir, device=device, num_kv_blocks=num_blocks,
-                                  max_num_batched_tokens=max_num_batched_tokens))
+def build_engine(model_dir: str, args: argparse.Namespace, num_blocks: int) -> LLMEngine:
+    return LLMEngine(EngineConfig(model_dir=model_dir, device=args.device, num_kv_blocks=num_blocks,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  keep_freed_host_memory=not args.no_keep_freed_host_memory,
+                                  onednn_primitive_cache_capacity=args.onednn_primitive_cache_capacity or None))
 
 
 def forced(max_tokens: list[int]) -> list[SamplingParams]:
@@ -210,7 +216,7 @@ def run_throughput(args: argparse.Namespace, model_dir: str, device: torch.devic
         f"{workload.num_requests} requests, {workload.num_prompt_tokens} prompt + "
         f"{workload.num_output_tokens} output tokens")
     gflops = measure_gemm_gflops(device, args.gemm_size, args.gemm_reps)
-    engine = build_engine(model_dir, args.device, blocks_needed(workload, 16) + 8, args.max_num_batched_tokens)
+    engine = build_engine(model_dir, args, blocks_needed(workload, 16) + 8)
     engine.generate([workload.prompts[0][:8]], forced([2]))  # warm-up
     engine_result, num_preemptions = run_engine(engine, workload)
     del engine  # free its KV pool before the next system loads
@@ -272,7 +278,7 @@ def run_memory_check(args: argparse.Namespace, model_dir: str, device: torch.dev
     waves = [list(range(i, min(i + args.wave_size, workload.num_requests)))
              for i in range(0, workload.num_requests, args.wave_size)]
     num_blocks = max(blocks_needed(workload.subset(w), 16) for w in waves)
-    engine = build_engine(model_dir, args.device, num_blocks, args.max_num_batched_tokens)
+    engine = build_engine(model_dir, args, num_blocks)
     say(f"memory check: {workload.num_requests} requests in {len(waves)} waves of up to {args.wave_size}, "
         f"KV pool {num_blocks} blocks, device {device}")
     rss_kib = []
@@ -288,11 +294,17 @@ def run_memory_check(args: argparse.Namespace, model_dir: str, device: torch.dev
     stats = engine.stats()
     all_free = engine.check_integrity() and stats.num_free_blocks == stats.num_total_blocks
     grew = growth > MEMORY_GROWTH_LIMIT
+    # Caches that fill up and stop (oneDNN's primitives, the heap's high-water mark) grow the first waves only;
+    # a leak grows the second half of the run as well.
+    second_half_growth = rss_kib[-1] / rss_kib[len(rss_kib) // 2] - 1.0
+    grew_late = second_half_growth > MEMORY_GROWTH_LIMIT
     say(f"RSS after the last wave vs the first: {growth:+.1%} "
-        f"({'GREW by more than' if grew else 'within'} {MEMORY_GROWTH_LIMIT:.0%}); "
-        f"KV blocks all free: {all_free}")
+        f"({'GREW by more than' if grew else 'within'} {MEMORY_GROWTH_LIMIT:.0%}); over the second half of the "
+        f"waves: {second_half_growth:+.1%} ({'GREW by more than' if grew_late else 'within'} "
+        f"{MEMORY_GROWTH_LIMIT:.0%}); KV blocks all free: {all_free}")
     return {"mode": "memory_check", "num_requests": workload.num_requests, "wave_size": args.wave_size,
             "rss_kib": rss_kib, "rss_growth": round(growth, 4), "grew_over_5pct": grew,
+            "rss_growth_second_half": round(second_half_growth, 4), "grew_over_5pct_second_half": grew_late,
             "rss_growth_bytes_per_request": round(bytes_per_request, 1), "kv_blocks_all_free": all_free}
 
 

@@ -94,5 +94,6 @@ def test_memory_check_reports_rss_per_wave(model_dir):
     summary, stdout = _run(["--model-dir", model_dir, "--memory-check", "6", "--wave-size", "2", "--threads", "1"])
     assert summary["mode"] == "memory_check" and len(summary["rss_kib"]) == 3
     assert all(rss > 0 for rss in summary["rss_kib"]) and summary["kv_blocks_all_free"] is True
-    assert isinstance(summary["grew_over_5pct"], bool)
+    assert isinstance(summary["grew_over_5pct"], bool) and isinstance(summary["grew_over_5pct_second_half"], bool)
+    assert summary["rss_growth_second_half"] == round(summary["rss_kib"][-1] / summary["rss_kib"][1] - 1, 4)
     assert stdout.count("RSS") >= 3

@@ -27,6 +27,8 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto": triton on cuda, torch (SDPA + the C decode kernel) on cpu
     # "auto": float32 linears through oneDNN with packed weights on a cpu (model/cpu_linear.py), F.linear elsewhere
     cpu_linear_backend: str = "auto"
+    # Shapes each of oneDNN's primitive caches keeps (cpu_linear.bound_primitive_caches); None: oneDNN's 1,024
+    onednn_primitive_cache_capacity: int | None = 16
     # On a cpu: glibc keeps the memory freed between steps for the next one rather than unmapping it (host_malloc.py)
     keep_freed_host_memory: bool = True
     cuda_graphs: bool = True  # capture decode steps on cuda (cuda_graphs.py); ignored on cpu
@@ -60,6 +62,9 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.cpu_linear_backend not in CPU_LINEAR_BACKENDS:
             raise ValueError(f"cpu_linear_backend must be one of {CPU_LINEAR_BACKENDS}, got {self.cpu_linear_backend!r}")
+        if self.onednn_primitive_cache_capacity is not None and self.onednn_primitive_cache_capacity < 1:
+            raise ValueError(f"onednn_primitive_cache_capacity must be >= 1 (None: oneDNN's default), got "
+                             f"{self.onednn_primitive_cache_capacity}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be auto or one of {sorted(KV_CACHE_DTYPES)}, got "
                              f"{self.kv_cache_dtype!r}")

@@ -60,6 +60,8 @@ class LLMEngine:
         if self.device.type == "cpu":
             if config.keep_freed_host_memory:
                 host_malloc.keep_freed_host_memory()  # before the weights and KV pool: they come from the heap too
+            if config.onednn_primitive_cache_capacity is not None:
+                cpu_linear.bound_primitive_caches(config.onednn_primitive_cache_capacity)  # before oneDNN's first use
         self.linear_backend = cpu_linear.resolve(config.cpu_linear_backend, self.device, self.dtype)
         self.tokenizer = Tokenizer.from_pretrained(config.model_dir)
         # Structured outputs (grammar_backend.py); llguidance's vocabulary is built at the first such request.

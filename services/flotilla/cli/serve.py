@@ -36,6 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     worker.add_argument("--no-keep-freed-host-memory", action="store_true",
                         help="on cpu, let glibc hand memory freed between steps back to the kernel (smaller resident "
                              "size between bursts; each step then faults its activations in again)")
+    worker.add_argument("--onednn-primitive-cache-capacity", type=int, default=16, metavar="SHAPES",
+                        help="on cpu, matmul shapes each of oneDNN's two primitive caches keeps; 0: oneDNN's default "
+                             "(1,024, which grows the resident size by hundreds of MiB)")
     worker.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on cuda")
     worker.add_argument("--block-size", type=int, default=16)
     worker.add_argument("--num-kv-blocks", type=int, default=None)
@@ -207,6 +210,7 @@ def run_worker(args: argparse.Namespace) -> int:
         cpu_linear_backend=args.cpu_linear_backend,
         cuda_graphs=not args.no_cuda_graphs,
         keep_freed_host_memory=not args.no_keep_freed_host_memory,
+        onednn_primitive_cache_capacity=args.onednn_primitive_cache_capacity or None,
         block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_kv_blocks=args.num_kv_blocks,
