@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", choices=sorted(SIZES), default="small")
     p.add_argument("--steps", type=int, default=3, help="steps profiled of each kind")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--no-keep-freed-host-memory", action="store_true", help="glibc's defaults, for an A/B run")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -121,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     vocab = 1000
     engine = LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=4096,
-                                    max_num_batched_tokens=2048))
+                                    max_num_batched_tokens=2048,
+                                    keep_freed_host_memory=not args.no_keep_freed_host_memory))
     submit(engine, [[rng.randrange(10, vocab) for _ in range(8)]], 2)
     while engine.has_unfinished_requests():
         engine.step()
