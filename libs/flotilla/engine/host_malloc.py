@@ -5,7 +5,7 @@ glibc serves blocks above its mmap threshold (128 KiB, rising with use to at mos
 trims the top of its heaps on free, so each step's tensors fault their pages in again and the kernel zeroes every
 one of them. A 2,048-token prefill step took ~17,000 minor faults on the tiny test model and ~170,000 on the small
 one (whose 2,048 x 4,608 gate/up activation, 38 MB, is above any threshold); with the settings below, ~0 to ~1,000,
-and small's prefill steps went from ~850 to ~740 ms (docs/performance.md). tcmalloc and jemalloc keep freed memory
+and small's prefill steps went from ~920 to ~815 ms (docs/performance.md). tcmalloc and jemalloc keep freed memory
 the same way; these settings get that from the allocator every Debian and manylinux system already has.
 
 The cost: the process's resident size stays at its high-water mark instead of shrinking between bursts (+~150 MiB
