@@ -58,3 +58,11 @@ def test_unsupported_checkpoint_fails_in_one_line(broken, tmp_path, kind, expect
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert lines[0].startswith(f"flotilla {command}: cannot serve {model_dir}: ") and expected in lines[0]
     assert not (tmp_path / "state" / "logs").exists()  # nothing was started
+
+
+def test_a_negative_onednn_cache_capacity_fails_in_one_line(tiny_checkpoint, tmp_path):
+    result = run_cli("worker", "--model-dir", tiny_checkpoint, "--insecure-internal",
+                     "--onednn-primitive-cache-capacity", "-1", cwd=tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == ("flotilla worker: --onednn-primitive-cache-capacity must be >= 0 (0: oneDNN's "
+                                     "default), got -1")

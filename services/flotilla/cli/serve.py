@@ -201,6 +201,9 @@ def run_worker(args: argparse.Namespace) -> int:
         raise SystemExit("flotilla worker: --engine-process needs --role both and one model (no --shared-models)")
     if args.hold_batch_max_steps < 1:
         raise SystemExit(f"flotilla worker: --hold-batch-max-steps must be >= 1, got {args.hold_batch_max_steps}")
+    if args.onednn_primitive_cache_capacity < 0:
+        raise SystemExit("flotilla worker: --onednn-primitive-cache-capacity must be >= 0 (0: oneDNN's default), "
+                         f"got {args.onednn_primitive_cache_capacity}")
     engine = EngineConfig(
         model_dir=args.model_dir or shared[0][1],
         device=args.device,
