@@ -61,6 +61,35 @@ def test_without_the_settings_every_block_faults_its_pages_in_again():
     assert min(_faults_per_round("default")) >= PAGES * 0.9
 
 
+RESIDENT_AFTER_FREE_AND_RELEASE = f"""
+import ctypes
+from flotilla.engine import host_malloc
+assert host_malloc.keep_freed_host_memory()
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+def resident_pages():
+    return int(open("/proc/self/statm").read().split()[1])
+block = libc.malloc({BLOCK_BYTES})
+ctypes.memset(block, 1, {BLOCK_BYTES})
+before_free = resident_pages()
+libc.free(block)
+after_free = resident_pages()
+assert host_malloc.release_load_transients()
+print(before_free - after_free, before_free - resident_pages())
+"""
+
+
+@pytest.mark.skipif(not _is_glibc(), reason="the settings are glibc's")
+def test_memory_freed_while_loading_goes_back_once_released():
+    done = subprocess.run([sys.executable, "-c", RESIDENT_AFTER_FREE_AND_RELEASE], capture_output=True, text=True,
+                          timeout=60, check=True)
+    returned_on_free, returned_on_release = map(int, done.stdout.split())
+    assert returned_on_free < PAGES // 100  # kept, as the settings ask
+    assert returned_on_release >= PAGES * 0.9  # given back by the one release after loading
+
+
 def test_the_engine_config_keeps_freed_memory_by_default():
     from flotilla.engine.config import EngineConfig
 

@@ -94,6 +94,8 @@ class LLMEngine:
             ),
             self.kv_cache_manager,
         )
+        if self.device.type == "cpu":
+            host_malloc.release_load_transients()
         self._tracked: dict[str, _Tracked] = {}
         # Requests whose blocks remote_prefill.try_reserve holds outside the scheduler (a remote prefill).
         self.reserved_request_ids: set[str] = set()
