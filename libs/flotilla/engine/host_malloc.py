@@ -9,10 +9,11 @@ and small's prefill steps went from ~920 to ~815 ms (docs/performance.md). tcmal
 the same way; these settings get that from the allocator every Debian and manylinux system already has.
 
 The cost: the process's resident size stays at its high-water mark instead of shrinking between bursts (+~150 MiB
-on the small model's bench run; what loading freed is handed back once, by release_load_transients). torch asks for aligned blocks (posix_memalign), which glibc before 2.38 (Debian 12
-has 2.36) carves less thriftily from a heap: 64 MiB tensors allocated and freed in a loop grew the resident size
-from 284 to 732 MiB over the first rounds before it settled. Settings are process-wide and stay for the process's
-life; other C libraries (musl, macOS) are left as they are.
+on the small model's bench run; what loading freed is handed back once, by release_load_transients). torch asks
+for aligned blocks (posix_memalign), which glibc before 2.38 (Debian 12 has 2.36) carves less thriftily from a
+heap: 64 MiB tensors allocated and freed in a loop grew the resident size from 284 to 732 MiB over the first rounds
+before it settled. Settings are process-wide and stay for the process's life; other C libraries (musl, macOS) are
+left as they are.
 """
 
 from __future__ import annotations
