@@ -72,7 +72,10 @@ def test_burst_promotes_the_warm_worker_and_refills_the_warm_pool(fleet):
           f"{promotions[0].reason}")
     after = fleet.router_workers()
     assert after[warm_id].state == rpb.WORKER_STATE_ACTIVE
-    assert after[warm_id].load.num_output_tokens_total > 0  # it served part of the burst
+    # It served part of the burst. The router learns a worker's load from its heartbeats, so the snapshot taken
+    # as the burst ends can predate the worker's first tokens: wait for the next heartbeat rather than race it.
+    wait_until(lambda: fleet.router_workers()[warm_id].load.num_output_tokens_total > 0, 10,
+               "the promoted worker's heartbeat to report the tokens it served")
     # The pool grew to max_replicas and a fresh worker refills the warm pool behind the promotion.
     refilled = [rpb.WORKER_STATE_ACTIVE, rpb.WORKER_STATE_ACTIVE, rpb.WORKER_STATE_WARM]
     wait_until(lambda: sorted(_states(fleet)) == refilled, 120, "warm pool refill")

@@ -1,9 +1,10 @@
 """The safety stage through the real fleet (router, worker, gateway as processes) with both SDKs.
 
 The blocked term is chosen from the model's own greedy answer: the end of one token and the start of the next,
-so it reaches the gateway split across two tokens and two SSE events. A key with the policy "none" sees the
-whole answer (and shows the split); a key with the policy "strict" never receives any of the term, its stream
-ends with the dialect's terminal event, the worker stops soon after, and the ledger bills what was sent."""
+so it reaches the gateway split across two tokens (and, unless a lagging stream coalesced them, two SSE
+events). A key with the policy "none" sees the whole answer; a key with the policy "strict" never receives any
+of the term, its stream ends with the dialect's terminal event, the worker stops soon after, and the ledger
+bills what was sent."""
 
 from __future__ import annotations
 
@@ -107,7 +108,10 @@ def test_unscreened_key_gets_the_whole_answer_with_the_term_split_across_events(
     events, finish, _ = _stream_chat(_oai(safety_fleet, "none"), safety_fleet.model, REFERENCE_TOKENS)
     prefix = "".join(texts[:index + 1])
     assert "".join(events).startswith(prefix) and finish == "length"
-    assert term in prefix and not any(term in event for event in events)
+    # The term straddles a token boundary, so only a screen that looks across tokens can catch it. Whether it
+    # also straddles two SSE events is timing: a worker whose stream lags sends several tokens in one event
+    # (seen on a loaded CI machine), so the events are not asserted on.
+    assert term in prefix and term not in texts[index - 1] and term not in texts[index]
 
 
 def test_openai_stream_is_stopped_before_the_term(safety_fleet, answer):
