@@ -1,5 +1,5 @@
 """The CPU decode-attention kernel (csrc/paged_decode_attention.c): built with the system C compiler on
-first use, cached by source digest, called through ctypes (kernel_build.py). Where it cannot be built (no
+first use, cached by source digest and CPU, called through ctypes (kernel_build.py). Where it cannot be built (no
 compiler, FLOTILLA_DISABLE_KERNELS) or does not apply (GPU, 16-bit K/V), attention uses the torch path."""
 
 from __future__ import annotations

@@ -1,13 +1,15 @@
 """C kernels under csrc/: built with the system C compiler on first use, cached by a digest of the source, the
-headers beside it and the flags, loaded through ctypes. Where one cannot be built (no compiler) or
+headers beside it, the flags and the CPU's instruction sets, loaded through ctypes. Where one cannot be built (no compiler) or
 FLOTILLA_DISABLE_KERNELS is set, `load()` returns None (logged once) and callers use their torch path."""
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -23,6 +25,21 @@ CSRC = Path(__file__).with_name("csrc")
 def _cache_dir() -> Path:
     root = os.environ.get("FLOTILLA_CACHE") or Path.home() / ".cache" / "flotilla"
     return Path(root) / "kernels"
+
+
+@functools.cache
+def cpu_identity() -> bytes:
+    """The instruction sets of this machine's CPU, which `-march=native` builds for. A library built on a CPU
+    with more of them (AVX-512, say) dies with SIGILL on one with fewer, so a cache directory that outlives the
+    machine (a shared home, a persistent volume) must not hand it over: the identity is part of the digest."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.split(":")[0].strip() in ("flags", "Features"):  # x86 / arm64: first core's line
+                    return (platform.machine() + ":" + " ".join(sorted(line.split(":", 1)[1].split()))).encode()
+    except OSError:
+        pass
+    return (platform.machine() + ":" + platform.processor()).encode()
 
 
 def disabled() -> bool:
@@ -62,9 +79,9 @@ class KernelLibrary:
 
     def _inputs(self) -> bytes:
         """What the built library depends on: the source, the headers beside it (csrc/*.h, which the sources
-        include) and the flags; a change to any of them builds afresh."""
+        include), the flags and the CPU they were built for; a change to any of them builds afresh."""
         headers = b"".join(header.read_bytes() for header in sorted(CSRC.glob("*.h")))
-        return self.source.read_bytes() + headers + " ".join(self.cflags).encode()
+        return self.source.read_bytes() + headers + " ".join(self.cflags).encode() + cpu_identity()
 
     def _build(self, target: Path) -> None:
         compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
