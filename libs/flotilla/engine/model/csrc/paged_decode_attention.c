@@ -119,8 +119,10 @@ static inline __attribute__((always_inline)) void score_keys(const float *q, con
 #if defined(__AVX2__) && defined(__FMA__)
         if (D % 8 == 0) {
             for (; t + TILE <= span.end; t += TILE, k_token += TILE * token_stride) {
+                /* one line of each row of the next block: enough to start the hardware prefetcher on it (whole
+                 * rows queued so many prefetches that the tile's own loads waited: 7-12% slower on K/V in DRAM) */
                 for (int i = 0; i < TILE; i++)
-                    prefetch_row(span.next_block, t + i - block * block_size, token_stride, token_stride);
+                    prefetch_row(span.next_block, t + i - block * block_size, token_stride, 64 / sizeof(float));
                 for (int64_t j = 0; j < num_kv_heads; j++) {
                     for (int64_t h = j * group; h < (j + 1) * group; h++) {
                         float *row = scores + h * num_keys + t - first;
