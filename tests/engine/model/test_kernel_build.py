@@ -31,6 +31,9 @@ def test_a_library_built_for_another_cpu_is_not_loaded(tmp_path, monkeypatch):
     (built_elsewhere,) = (tmp_path / "kernels").glob("*.so")
     # What a CPU without AVX-512 would do with it: crash on the first instruction it lacks. Stand for that with a
     # file no loader accepts, so that loading it would show.
+    # A new file, not the loaded one overwritten: this process maps that one, and rewriting it in place would
+    # bring SIGBUS when the process next touches its pages (at exit, in CI).
+    built_elsewhere.unlink()
     built_elsewhere.write_bytes(b"not a library for this CPU")
 
     monkeypatch.setattr(kernel_build, "cpu_identity", lambda: b"x86_64:avx avx2 fma sse2")
