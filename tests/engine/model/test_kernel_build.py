@@ -30,9 +30,8 @@ def test_a_library_built_for_another_cpu_is_not_loaded(tmp_path, monkeypatch):
     assert _fresh_library().load() is not None
     (built_elsewhere,) = (tmp_path / "kernels").glob("*.so")
     # What a CPU without AVX-512 would do with it: crash on the first instruction it lacks. Stand for that with a
-    # file no loader accepts, so that loading it would show.
-    # A new file, not the loaded one overwritten: this process maps that one, and rewriting it in place would
-    # bring SIGBUS when the process next touches its pages (at exit, in CI).
+    # file no loader accepts, so that loading it would show. It is a new file, not the loaded one rewritten: this
+    # process maps that one, and rewriting it in place brings SIGBUS when the process next touches its pages.
     built_elsewhere.unlink()
     built_elsewhere.write_bytes(b"not a library for this CPU")
 

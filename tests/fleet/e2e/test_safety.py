@@ -103,7 +103,7 @@ def _ledger(fleet, count: int):
     return final()
 
 
-def test_unscreened_key_gets_the_whole_answer_with_the_term_split_across_events(safety_fleet, answer):
+def test_unscreened_key_gets_the_whole_answer_with_the_term_split_across_tokens(safety_fleet, answer):
     texts, term, index = answer
     events, finish, _ = _stream_chat(_oai(safety_fleet, "none"), safety_fleet.model, REFERENCE_TOKENS)
     prefix = "".join(texts[:index + 1])

@@ -1,6 +1,7 @@
 """C kernels under csrc/: built with the system C compiler on first use, cached by a digest of the source, the
-headers beside it, the flags and the CPU's instruction sets, loaded through ctypes. Where one cannot be built (no compiler) or
-FLOTILLA_DISABLE_KERNELS is set, `load()` returns None (logged once) and callers use their torch path."""
+headers beside it, the flags and the CPU's instruction sets, loaded through ctypes. Where one cannot be built
+(no compiler) or FLOTILLA_DISABLE_KERNELS is set, `load()` returns None (logged once) and callers use their
+torch path."""
 
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ def cpu_identity() -> bytes:
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
             for line in cpuinfo:
-                if line.split(":")[0].strip() in ("flags", "Features"):  # x86 / arm64: first core's line
-                    return (platform.machine() + ":" + " ".join(sorted(line.split(":", 1)[1].split()))).encode()
+                key, _, features = line.partition(":")
+                if key.strip() in ("flags", "Features"):  # x86 / arm64: the first core's line
+                    return (platform.machine() + ":" + " ".join(sorted(features.split()))).encode()
     except OSError:
         pass
     return (platform.machine() + ":" + platform.processor()).encode()
