@@ -3,6 +3,11 @@ every figure (the fp32 engine equal to transformers there too); without CUDA and
 a clear message. The real run is loadtest/gpu_check.py on a CUDA machine."""
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,6 +40,28 @@ def test_agreement_counts_tokens_before_the_first_difference():
 def test_without_cuda_it_says_so(capsys):
     assert gpu_check.main([]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the real check")
+def test_make_runs_it_on_a_python3_that_has_its_packages_without_installing(tmp_path):
+    """The lent device machines have PyTorch, Triton and transformers in their python3 and no registry: there
+    `make gpu-check` must not build the venv (pip would fail) but run the check on that python3. The project's
+    interpreter stands in for it (a python3 on PATH), and PY names a venv that is not there."""
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("make not found")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    python3 = bin_dir / "python3"  # a script, not a link: a linked venv interpreter would not find its venv
+    python3.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python3.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    repo = Path(__file__).resolve().parents[2]
+    result = subprocess.run([make, "--no-print-directory", "-C", str(repo), "gpu-check", f"PY={tmp_path}/no-venv/python"],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert f"no .venv; running on {bin_dir / 'python3'}" in result.stdout
+    assert "no CUDA device" in result.stderr  # the check itself ran, and said why it stopped
+    assert not (tmp_path / "no-venv").exists()  # nothing was installed
 
 
 def test_a_failing_section_is_reported_and_the_rest_runs(capsys):
