@@ -57,8 +57,8 @@ def test_make_runs_it_on_a_python3_that_has_its_packages_without_installing(tmp_
     python3.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     repo = Path(__file__).resolve().parents[2]
-    result = subprocess.run([make, "--no-print-directory", "-C", str(repo), "gpu-check", f"PY={tmp_path}/no-venv/python"],
-                            env=env, capture_output=True, text=True, timeout=300)
+    command = [make, "--no-print-directory", "-C", str(repo), "gpu-check", f"PY={tmp_path}/no-venv/python"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert f"no .venv; running on {bin_dir / 'python3'}" in result.stdout
     assert "no CUDA device" in result.stderr  # the check itself ran, and said why it stopped
     assert not (tmp_path / "no-venv").exists()  # nothing was installed
