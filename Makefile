@@ -9,6 +9,8 @@ STAMP := $(VENV)/.installed
 SITE := $(VENV)/lib/python3.11/site-packages
 PROTO_SRC := $(shell find protos -name '*.proto' 2>/dev/null)
 PROTO_STAMP := libs/flotilla/api/.generated
+# The source roots, for tools that do not go through the editable install
+SOURCE_ROOTS := libs:services:operators
 PYTEST_ARGS ?=
 
 .PHONY: install protos test test-unit lint run bench clean redis-server
@@ -56,7 +58,7 @@ test-unit: install protos
 # The layer contract (pyproject.toml, [tool.importlinter]): a lower layer importing an upper one fails.
 # grimp walks folders, so the three source roots are named here rather than found through the editable finder.
 lint: install protos
-	PYTHONPATH=libs:services:operators $(VENV)/bin/lint-imports --no-cache
+	PYTHONPATH=$(SOURCE_ROOTS) $(VENV)/bin/lint-imports --no-cache
 
 run: install protos models
 	$(VENV)/bin/flotilla up
@@ -74,7 +76,7 @@ GPU_CHECK_NEEDS := import torch, triton, transformers, safetensors, tokenizers
 gpu-check:
 	@if [ ! -x $(PY) ] && python3 -c '$(GPU_CHECK_NEEDS)' 2>/dev/null; then \
 		echo "gpu-check: no $(VENV); running on $$(command -v python3), which has what the check needs"; \
-		PYTHONPATH=libs:services:operators python3 loadtest/gpu_check.py; \
+		PYTHONPATH=$(SOURCE_ROOTS) python3 loadtest/gpu_check.py; \
 	else \
 		$(MAKE) --no-print-directory install protos && $(PY) loadtest/gpu_check.py; \
 	fi

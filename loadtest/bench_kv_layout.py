@@ -30,7 +30,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from flotilla.engine.model import decode_kernel  # noqa: E402
-from flotilla.engine.model.kernel_build import CSRC  # noqa: E402
+from flotilla.engine.model.kernel_build import CSRC, c_compiler  # noqa: E402
 
 CANDIDATE = Path(__file__).resolve().parent / "kv_layout" / "paged_decode_head_major.c"
 LAYOUTS = {"tiny": (8, 4, 32), "small": (12, 4, 64)}  # query heads, KV heads, head size
@@ -53,8 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def build_candidate(directory: str):
     library = Path(directory) / "paged_decode_head_major.so"
-    compiler = os.environ.get("CC", "cc")
-    subprocess.run([compiler, *decode_kernel.CFLAGS, "-I", str(CSRC), str(CANDIDATE), "-o", str(library), "-lm"],
+    subprocess.run([c_compiler(), *decode_kernel.CFLAGS, "-I", str(CSRC), str(CANDIDATE), "-o", str(library), "-lm"],
                    check=True)
     function = ctypes.CDLL(str(library)).paged_decode_attention_head_major_f32
     function.restype = ctypes.c_int

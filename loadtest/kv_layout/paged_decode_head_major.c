@@ -21,8 +21,7 @@ static inline __attribute__((always_inline)) void attend_head_major_d(
         for (int64_t b = 0; b < num_blocks; b++) {
             const float *k = k_cache + table[b] * block_stride + j * head_rows;
             if (b + 1 < num_blocks) __builtin_prefetch(k_cache + table[b + 1] * block_stride + j * head_rows);
-            const int64_t first = b * block_size, end = first + block_size < context_len ? first + block_size
-                                                                                       : context_len;
+            const int64_t first = b * block_size, end = block_end(b, block_size, context_len);
             int64_t t = first;
             for (; t + TILE <= end; t += TILE)
                 for (int64_t h = j * group; h < (j + 1) * group; h++)
@@ -47,8 +46,7 @@ static inline __attribute__((always_inline)) void attend_head_major_d(
         for (int64_t b = 0; b < num_blocks; b++) {
             const float *v = v_cache + table[b] * block_stride + j * head_rows;
             if (b + 1 < num_blocks) __builtin_prefetch(v_cache + table[b + 1] * block_stride + j * head_rows);
-            const int64_t first = b * block_size, end = first + block_size < context_len ? first + block_size
-                                                                                       : context_len;
+            const int64_t first = b * block_size, end = block_end(b, block_size, context_len);
             int64_t t = first;
             for (; t + 1 < end; t += 2) {
                 const __m256 p0 = _mm256_broadcast_ss(p + t), p1 = _mm256_broadcast_ss(p + t + 1);
@@ -86,16 +84,10 @@ int paged_decode_attention_head_major_f32(const float *q, const float *kv, const
         float *scores = NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t b = 0; b < num_seqs; b++) {
-            const int64_t needed = num_heads * (context_lens[b] + 1);
-            if (needed > capacity) {
-                free(scores);
-                capacity = needed;
-                scores = malloc(sizeof(float) * capacity);
-                if (scores == NULL) {
-                    status = -2;
-                    capacity = 0;
-                    continue;
-                }
+            scores = scores_at_least(scores, &capacity, num_heads * (context_lens[b] + 1));
+            if (scores == NULL) {
+                status = -2;
+                continue;
             }
             const int64_t row = b * num_heads * head_dim;
 #define ATTEND(D) attend_head_major_d(q + row, kv, v_cache, block_tables + b * table_width, context_lens[b], \

@@ -48,6 +48,14 @@ def disabled() -> bool:
     return bool(os.environ.get("FLOTILLA_DISABLE_KERNELS"))
 
 
+def c_compiler() -> str:
+    """The C compiler the kernels are built with: $CC, else cc, else gcc. OSError where there is none."""
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler")
+    return compiler
+
+
 class KernelLibrary:
     """One C source; `declare` sets the ctypes signatures of the loaded library."""
 
@@ -86,9 +94,7 @@ class KernelLibrary:
         return self.source.read_bytes() + headers + " ".join(self.cflags).encode() + cpu_identity()
 
     def _build(self, target: Path) -> None:
-        compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-        if compiler is None:
-            raise OSError("no C compiler")
+        compiler = c_compiler()
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name

@@ -38,9 +38,14 @@ typedef struct {
     int64_t end;
 } BlockSpan;
 
+/* One past the last key of `block` that the context holds. */
+static inline int64_t block_end(int64_t block, int64_t block_size, int64_t context_len) {
+    return (block + 1) * block_size < context_len ? (block + 1) * block_size : context_len;
+}
+
 static inline BlockSpan block_span(const float *cache, const int64_t *table, int64_t block, int64_t t,
                                    int64_t context_len, int64_t block_size, int64_t token_stride) {
-    const int64_t end = (block + 1) * block_size < context_len ? (block + 1) * block_size : context_len;
+    const int64_t end = block_end(block, block_size, context_len);
     BlockSpan span = {cache + (table[block] * block_size + t - block * block_size) * token_stride, NULL, end};
     if (end < context_len) span.next_block = cache + table[block + 1] * block_size * token_stride;
     return span;
@@ -256,6 +261,16 @@ static void attend_sequence(const float *q, const float *k_cache, const float *v
 #undef ATTEND
 }
 
+/* A thread's scores buffer of at least `needed` floats: `scores` itself when it holds enough, else a new one (what
+ * it held is dropped); NULL, with *capacity 0, when memory runs out. */
+static float *scores_at_least(float *scores, int64_t *capacity, int64_t needed) {
+    if (needed <= *capacity) return scores;
+    free(scores);
+    scores = malloc(sizeof(float) * needed);
+    *capacity = scores == NULL ? 0 : needed;
+    return scores;
+}
+
 int paged_decode_attention_f32(const float *q, const float *kv, const int64_t *block_tables,
                                const int64_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,
                                int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
@@ -271,16 +286,11 @@ int paged_decode_attention_f32(const float *q, const float *kv, const int64_t *b
 #pragma omp for schedule(dynamic, 1)
         for (int64_t b = 0; b < num_seqs; b++) {
             const int64_t first = window > 0 && context_lens[b] > window ? context_lens[b] - window : 0;
-            const int64_t needed = num_heads * (context_lens[b] - first + 1); /* scores, then each head's sum */
-            if (needed > capacity) {
-                free(scores);
-                capacity = needed;
-                scores = malloc(sizeof(float) * capacity);
-                if (scores == NULL) {
-                    status = -2;
-                    capacity = 0;
-                    continue;
-                }
+            /* scores, then each head's sum */
+            scores = scores_at_least(scores, &capacity, num_heads * (context_lens[b] - first + 1));
+            if (scores == NULL) {
+                status = -2;
+                continue;
             }
             const int64_t row = b * num_heads * head_dim;
             attend_sequence(q + row, k_cache, v_cache, block_tables + b * table_width, first, context_lens[b],
