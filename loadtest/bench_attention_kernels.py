@@ -25,6 +25,7 @@ import torch  # noqa: E402
 
 from flotilla.engine.model import decode_kernel, prefill_kernel  # noqa: E402
 from flotilla.engine.model.attention import AttentionMetadata, SeqChunk, paged_attention  # noqa: E402
+from flotilla.engine.model.kv_cache import layer_shape  # noqa: E402
 
 LAYOUTS = {  # name: (query heads, KV heads, head size)
     "tiny": (8, 4, 32),
@@ -54,7 +55,7 @@ def time_layer(chunks: list[tuple[int, int]], layout: tuple[int, int, int], use_
     for (start, count), n in zip(chunks, needed):
         seqs.append(SeqChunk(start, count, order[taken:taken + n]))
         taken += n
-    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=generator)
+    kv_cache = torch.randn(layer_shape(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim), generator=generator)
     num_tokens = sum(count for _, count in chunks)
     q = torch.randn(num_tokens, num_heads, head_dim, generator=generator)
     k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator)

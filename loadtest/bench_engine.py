@@ -26,7 +26,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from flotilla.engine.config import EngineConfig, resolve_device
+from flotilla.engine.config import EngineConfig, resolve_block_size, resolve_device
 from flotilla.engine.engine import LLMEngine
 from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.sampling_params import SamplingParams
@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads for every system (default: torch's)")
     p.add_argument("--device", default="auto", help="auto (cuda when present, else cpu), cpu, cuda, ...")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="engine per-step token budget")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="engine tokens per KV block (default: the engine's for the device, 128 on cpu)")
     # The worker's cpu memory settings, for A/B runs (see `flotilla worker --help`)
     p.add_argument("--no-keep-freed-host-memory", action="store_true")
     p.add_argument("--onednn-primitive-cache-capacity", type=int, default=EngineConfig.onednn_primitive_cache_capacity,
@@ -102,6 +104,7 @@ def blocks_needed(workload: Workload, block_size: int) -> int:
 
 def build_engine(model_dir: str, args: argparse.Namespace, num_blocks: int) -> LLMEngine:
     return LLMEngine(EngineConfig(model_dir=model_dir, device=args.device, num_kv_blocks=num_blocks,
+                                  block_size=args.block_size,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   keep_freed_host_memory=not args.no_keep_freed_host_memory,
                                   onednn_primitive_cache_capacity=args.onednn_primitive_cache_capacity or None))
@@ -216,7 +219,7 @@ def run_throughput(args: argparse.Namespace, model_dir: str, device: torch.devic
         f"{workload.num_requests} requests, {workload.num_prompt_tokens} prompt + "
         f"{workload.num_output_tokens} output tokens")
     gflops = measure_gemm_gflops(device, args.gemm_size, args.gemm_reps)
-    engine = build_engine(model_dir, args, blocks_needed(workload, 16) + 8)
+    engine = build_engine(model_dir, args, blocks_needed(workload, resolve_block_size(args.block_size, device)) + 8)
     engine.generate([workload.prompts[0][:8]], forced([2]))  # warm-up
     engine_result, num_preemptions = run_engine(engine, workload)
     del engine  # free its KV pool before the next system loads
@@ -277,7 +280,7 @@ def run_memory_check(args: argparse.Namespace, model_dir: str, device: torch.dev
     workload, _ = workload_for(model_dir, args.memory_check, (16, 64), (8, 16), args.seed)
     waves = [list(range(i, min(i + args.wave_size, workload.num_requests)))
              for i in range(0, workload.num_requests, args.wave_size)]
-    num_blocks = max(blocks_needed(workload.subset(w), 16) for w in waves)
+    num_blocks = max(blocks_needed(workload.subset(w), resolve_block_size(args.block_size, device)) for w in waves)
     engine = build_engine(model_dir, args, num_blocks)
     say(f"memory check: {workload.num_requests} requests in {len(waves)} waves of up to {args.wave_size}, "
         f"KV pool {num_blocks} blocks, device {device}")
@@ -332,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     summary.update({
         "threads": torch.get_num_threads(),
         "device": str(device),
+        "block_size": resolve_block_size(args.block_size, device),
         "torch_version": torch.__version__,
         "loadavg_1m_start": round(load_start, 2),
         "loadavg_1m_end": round(os.getloadavg()[0], 2),

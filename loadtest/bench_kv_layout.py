@@ -1,28 +1,27 @@
-"""The CPU decode kernel on the engine's K/V layout against a candidate layout, with K/V in DRAM.
+"""The CPU decode kernel at several KV block sizes, with K/V in DRAM: why the engine's CPU default is 128 tokens.
 
-The engine's layer is [2, num_blocks, block_size, KV heads, D] (a token's heads side by side); the candidate
-(`loadtest/kv_layout/paged_decode_head_major.c`, built here, not used by the engine) is [2, num_blocks, KV heads,
-block_size, D], each KV head's rows of a block contiguous, as vLLM's CPU attention reads them. Both kernels get
-the same keys and values (the candidate's a permuted copy), the same shuffled block tables and the same queries;
---layers layers' worth of K/V are walked per round so that little of it is still in cache. Median of --rounds, in
-ms per layer and GB/s of K/V read; the largest difference between the two outputs is reported (float32 rounding).
-Ends with one JSON line.
+A layer of the pool is [2, num_blocks, KV heads, block_size, D] (kv_cache.layer_shape): each KV head's keys of a
+block are one contiguous run of block_size * D floats, which the kernel reads in order. Longer runs keep the
+hardware prefetcher streaming; every block boundary is a jump to a block anywhere in the pool. Every block size
+gets the same keys, values and queries (the same context per sequence, scattered through shuffled block tables),
+so the outputs must agree: the largest difference from the first block size's output is reported (float32
+rounding only). --layers layers' worth of K/V are walked per round so that little of it is still in cache.
+Median of --rounds, in ms per layer and GB/s of K/V read. Ends with one JSON line.
 
     python loadtest/bench_kv_layout.py --size small --block-sizes 16 128
+
+The layout itself was chosen with this benchmark's earlier form (commit bc80532), which compared the token-major
+layout [2, num_blocks, block_size, KV heads, D] the engine had then against this one (docs/performance.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 # As bench_engine.py and the `flotilla` command's workers (before torch loads OpenMP).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -30,16 +29,15 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from flotilla.engine.model import decode_kernel  # noqa: E402
-from flotilla.engine.model.kernel_build import CSRC, c_compiler  # noqa: E402
+from flotilla.engine.model.kv_cache import layer_shape, token_major  # noqa: E402
 
-CANDIDATE = Path(__file__).resolve().parent / "kv_layout" / "paged_decode_head_major.c"
 LAYOUTS = {"tiny": (8, 4, 32), "small": (12, 4, 64)}  # query heads, KV heads, head size
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=sorted(LAYOUTS), nargs="+", default=["small", "tiny"])
-    p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64, 128])
+    p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64, 128, 256])
     p.add_argument("--layers", type=int, default=12, help="layers of K/V walked per round (12: 630 MB for small)")
     p.add_argument("--seqs", type=int, default=64)
     p.add_argument("--context", type=int, default=400, help="tokens of context per sequence")
@@ -51,57 +49,46 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def build_candidate(directory: str):
-    library = Path(directory) / "paged_decode_head_major.so"
-    subprocess.run([c_compiler(), *decode_kernel.CFLAGS, "-I", str(CSRC), str(CANDIDATE), "-o", str(library), "-lm"],
-                   check=True)
-    function = ctypes.CDLL(str(library)).paged_decode_attention_head_major_f32
-    function.restype = ctypes.c_int
-    function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
-    return function
+def paged(context_kv: torch.Tensor, block_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """context_kv [2, seqs, context, KV heads, D] scattered into a pool of `block_size`-token blocks through
+    shuffled block tables: (the layer's cache, block tables [seqs, W])."""
+    _, num_seqs, context, num_kv_heads, head_dim = context_kv.shape
+    width = -(-context // block_size)
+    num_blocks = num_seqs * width + 8
+    cache = torch.zeros(layer_shape(num_blocks, block_size, num_kv_heads, head_dim))
+    tables = torch.randperm(num_blocks, generator=generator)[: num_seqs * width].view(num_seqs, width).contiguous()
+    by_token = token_major(cache)  # [2, blocks, block_size, KV heads, D]
+    positions = torch.arange(context)
+    for seq in range(num_seqs):
+        by_token[:, tables[seq, positions // block_size], positions % block_size] = context_kv[:, seq]
+    return cache, tables
 
 
-def compare(candidate, size: str, block_size: int, args: argparse.Namespace) -> dict:
+def measure(size: str, block_sizes: list[int], args: argparse.Namespace) -> list[dict]:
     num_heads, num_kv_heads, head_dim = LAYOUTS[size]
     generator = torch.Generator().manual_seed(0)
-    blocks_per_seq = -(-args.context // block_size)
-    num_blocks = args.seqs * blocks_per_seq + 8
-    engine_layers = [torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
-                     for _ in range(args.layers)]
-    candidate_layers = [layer.permute(0, 1, 3, 2, 4).contiguous() for layer in engine_layers]
-    tables = [torch.randperm(num_blocks, generator=generator)[: args.seqs * blocks_per_seq].view(args.seqs, -1)
-              .contiguous() for _ in range(args.layers)]  # fmt: skip
-    context_lens = torch.full((args.seqs,), args.context, dtype=torch.int64)
     q = torch.randn(args.seqs, num_heads, head_dim, generator=generator)
-    engine_out, candidate_out = torch.empty_like(q), torch.empty_like(q)
-
-    def run_engine() -> None:
-        for layer, table in zip(engine_layers, tables):
-            decode_kernel.paged_decode_attention(q, layer, table, context_lens, out=engine_out)
-
-    def run_candidate() -> None:
-        for layer, table in zip(candidate_layers, tables):
-            status = candidate(q.data_ptr(), layer.data_ptr(), table.data_ptr(), context_lens.data_ptr(),
-                               candidate_out.data_ptr(), args.seqs, num_heads, num_kv_heads, head_dim, num_blocks,
-                               block_size, table.shape[1], head_dim ** -0.5, args.threads)  # fmt: skip
-            if status != 0:
-                raise RuntimeError(f"the candidate kernel failed ({status})")
-
-    timings: dict[str, list[float]] = {"engine": [], "candidate": []}
-    for _ in range(args.rounds):  # interleaved, so that the VM's drift falls on both
-        for name, run in (("engine", run_engine), ("candidate", run_candidate)):
-            started = time.perf_counter()
-            run()
-            timings[name].append((time.perf_counter() - started) / args.layers)
+    context_lens = torch.full((args.seqs,), args.context, dtype=torch.int64)
+    contexts = [torch.randn(2, args.seqs, args.context, num_kv_heads, head_dim, generator=generator)
+                for _ in range(args.layers)]
     layer_bytes = 2 * args.seqs * args.context * num_kv_heads * head_dim * 4
-    result = {"size": size, "block_size": block_size,
-              "max_abs_difference": float((engine_out - candidate_out).abs().max())}
-    for name, seconds in timings.items():
+    results, first_out = [], None
+    for block_size in block_sizes:
+        layers = [paged(context, block_size, generator) for context in contexts]
+        out = torch.empty_like(q)
+        seconds = []
+        for _ in range(args.rounds):
+            started = time.perf_counter()
+            for cache, tables in layers:
+                decode_kernel.paged_decode_attention(q, cache, tables, context_lens, out=out)
+            seconds.append((time.perf_counter() - started) / args.layers)
+        first_out = out.clone() if first_out is None else first_out
         median = statistics.median(seconds)
-        result[f"{name}_ms_per_layer"] = round(median * 1e3, 3)
-        result[f"{name}_gb_s"] = round(layer_bytes / median / 1e9, 1)
-    result["candidate_speedup"] = round(result["engine_ms_per_layer"] / result["candidate_ms_per_layer"], 3)
-    return result
+        results.append({"size": size, "block_size": block_size, "ms_per_layer": round(median * 1e3, 3),
+                        "gb_s": round(layer_bytes / median / 1e9, 1),
+                        "max_abs_difference": float((out - first_out).abs().max())})
+        del layers
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,16 +98,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(args.threads)
     results = []
-    with tempfile.TemporaryDirectory(prefix="kv-layout-") as directory:
-        candidate = build_candidate(directory)
-        for size in args.size:
-            for block_size in args.block_sizes:
-                result = compare(candidate, size, block_size, args)
-                results.append(result)
-                print(f"{size:5s} block {block_size:4d}: engine {result['engine_ms_per_layer']:.2f} ms "
-                      f"({result['engine_gb_s']} GB/s), head-major {result['candidate_ms_per_layer']:.2f} ms "
-                      f"({result['candidate_gb_s']} GB/s), x{result['candidate_speedup']}, "
-                      f"max |diff| {result['max_abs_difference']:.1e}", flush=True)
+    for size in args.size:
+        for result in measure(size, args.block_sizes, args):
+            results.append(result)
+            print(f"{size:5s} block {result['block_size']:4d}: {result['ms_per_layer']:.2f} ms per layer "
+                  f"({result['gb_s']} GB/s), max |diff| from block {args.block_sizes[0]} "
+                  f"{result['max_abs_difference']:.1e}", flush=True)
     print(json.dumps({"threads": args.threads, "layers": args.layers, "seqs": args.seqs, "context": args.context,
                       "rounds": args.rounds, "results": results}))
     return 0

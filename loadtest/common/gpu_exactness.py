@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from flotilla.engine.engine import LLMEngine
+from flotilla.engine.model.kv_cache import layer_shape
 from flotilla.engine.new_request import NewRequest
 from flotilla.engine.sampling_params import SamplingParams
 from loadtest.common.gpu_runs import Plan, free, hf_model, random_prompts, start_engine
@@ -116,7 +117,7 @@ def kernel_check(device: torch.device) -> dict:
     num_tokens = sum(seq.num_tokens for seq in seqs)
     result = {}
     for dtype in (torch.float32, torch.bfloat16):
-        cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(device, dtype)
+        cache = torch.randn(layer_shape(num_blocks, block_size, num_kv_heads, head_dim), generator=generator).to(device, dtype)
         q, k, v = (torch.randn(num_tokens, heads, head_dim, generator=generator).to(device, dtype)
                    for heads in (num_heads, num_kv_heads, num_kv_heads))
         outputs = [paged_attention(q, k, v, cache.clone(),

@@ -78,8 +78,8 @@ def measure(model_dir: Path, prompt_len: int, chunk: int, reps: int) -> TTFT:
 def _one(engine: LLMEngine, transport, sink: Sink, mode: str, prompt: list[int], transfer_id: str):
     sender = None
     if mode != "none":
-        sender = _TimedSender(transport, engine.config.block_size, layerwise=mode == "layerwise")
-        num_blocks = -(-len(prompt) // engine.config.block_size)
+        sender = _TimedSender(transport, engine.block_size, layerwise=mode == "layerwise")
+        num_blocks = -(-len(prompt) // engine.block_size)
         sender.add_target(transfer_id, RemoteTarget(transfer_id, sink.info.agent_name, list(range(num_blocks)), 0))
     engine.runner.kv_hook = sender
     started = time.monotonic()

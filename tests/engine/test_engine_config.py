@@ -1,9 +1,15 @@
-"""Start-up choices of EngineConfig: the attention backend and the KV pool's element type per device."""
+"""Start-up choices of EngineConfig: the attention backend, the KV pool's element type and block size per device."""
 
 import pytest
 import torch
 
-from flotilla.engine.config import resolve_attention_backend, resolve_dtype, resolve_kv_cache_dtype
+from flotilla.engine.config import (
+    EngineConfig,
+    resolve_attention_backend,
+    resolve_block_size,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
 
 CPU = torch.device("cpu")
 
@@ -19,6 +25,15 @@ def test_cuda_defaults_to_16_bit_weights():
     assert resolve_dtype("auto", cuda, torch.float32) == torch.bfloat16
     assert resolve_dtype("auto", cuda, torch.float16) == torch.float16
     assert resolve_dtype("float32", cuda, torch.bfloat16) == torch.float32
+
+
+def test_block_size_defaults_to_128_tokens_on_cpu_and_16_on_cuda():
+    """A CPU's decode kernel reads each KV head's run of a block in order; long runs are what make it fast."""
+    assert resolve_block_size(None, CPU) == 128
+    assert resolve_block_size(None, torch.device("cuda")) == 16
+    assert resolve_block_size(32, CPU) == 32
+    with pytest.raises(ValueError, match="block_size"):
+        EngineConfig(model_dir="unused", block_size=0).validate()
 
 
 def test_kv_cache_dtype_can_be_narrower_than_the_model():

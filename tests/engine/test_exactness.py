@@ -133,3 +133,11 @@ def test_batch_held_back_for_interactive_prefills_matches_transformers(reference
 def test_odd_block_sizes_match_transformers(reference, block_size):
     engine = _engine(reference, block_size=block_size, num_kv_blocks=8192, max_num_batched_tokens=300)
     assert _run_all(engine, reference)[:10] == reference.expected[:10]
+
+
+def test_the_cpu_default_block_size_matches_transformers(reference):
+    """No block size given: a CPU engine pages 128-token blocks (config.DEFAULT_BLOCK_SIZE), exact all the same."""
+    engine = _engine(reference, block_size=None, num_kv_blocks=512)
+    assert engine.block_size == 128 and engine.runner.kv_caches[0].shape[3] == 128
+    assert _run_all(engine, reference) == reference.expected
+    _assert_all_free(engine)

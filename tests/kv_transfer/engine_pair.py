@@ -38,7 +38,7 @@ class EnginePair:
         arrivals = ArrivalTracker(len(decode.runner.kv_caches))
         receiver.set_notif_handler(arrivals.on_notif)
         sender_transport.connect(receiver.local_info())
-        sender = KVSender(sender_transport, prefill.config.block_size, layerwise=layerwise)
+        sender = KVSender(sender_transport, prefill.block_size, layerwise=layerwise)
         prefill.runner.kv_hook = sender
         return cls(prefill, decode, sender, receiver, arrivals)
 

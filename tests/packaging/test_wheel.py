@@ -36,13 +36,14 @@ CHECK_INSTALLED = textwrap.dedent("""
     import torch
     from flotilla.engine.model import decode_kernel, prefill_kernel
     from flotilla.engine.model.attention import AttentionMetadata, SeqChunk, paged_attention
+    from flotilla.engine.model.kv_cache import layer_shape
 
     assert decode_kernel.SOURCE.resolve().is_relative_to(site), decode_kernel.SOURCE
     assert decode_kernel.load() is not None, "the decode kernel did not build from the installed source"
     assert prefill_kernel.SOURCE.resolve().is_relative_to(site), prefill_kernel.SOURCE
     assert prefill_kernel.load() is not None, "the prefill kernel did not build from the installed source"
     torch.manual_seed(0)
-    kv_cache = torch.randn(2, 16, 4, 2, 16)
+    kv_cache = torch.randn(layer_shape(16, 4, 2, 16))
     seqs = [SeqChunk(9, 1, [3, 7, 1]), SeqChunk(0, 1, [5]), SeqChunk(13, 1, [0, 2, 9, 11])]
     q, k, v = torch.randn(3, 4, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16)
     results = []

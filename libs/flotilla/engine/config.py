@@ -16,6 +16,10 @@ GPU_KV_MEMORY_FRACTION = 0.85  # of the memory left free once the weights are lo
 # ~9 ms with 1 sequence, ~28 ms with 32 and ~48 ms with 64 (one core, docs/performance.md): 40 ms keeps
 # ~48 sequences per step on an idle core and fewer when the machine is busy.
 DEFAULT_TARGET_TPOT_S = {"cuda": 0.050, "cpu": 0.040}
+# Tokens per KV block (block_size None). A CPU's decode kernel reads each KV head's run of a block in order and runs
+# 1.4x faster on 128-token runs than on 16 (docs/performance.md, loadtest/bench_kv_layout.py); vLLM's CPU build
+# uses 128 too. On a GPU, 16 keeps prefix-cache hits and the last block's waste fine-grained.
+DEFAULT_BLOCK_SIZE = {"cuda": 16, "cpu": 128}
 
 
 @dataclass
@@ -34,7 +38,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # capture decode steps on cuda (cuda_graphs.py); ignored on cpu
     cuda_graph_max_batch: int | None = None  # largest captured decode batch; None: max_num_seqs
     cuda_graph_memory_bytes: int = 2 << 30  # captures stop before their pool would pass this
-    block_size: int = 16
+    block_size: int | None = None  # tokens per KV block; None: DEFAULT_BLOCK_SIZE for the device
     kv_cache_memory_bytes: int | None = None  # budget for the KV pool; None = a per-device default
     num_kv_blocks: int | None = None  # overrides the byte budget (tests)
     num_host_kv_blocks: int = 0  # host blocks for swap preemption
@@ -54,7 +58,8 @@ class EngineConfig:
     seed: int = 0  # for requests without a seed of their own
 
     def validate(self) -> None:
-        if self.block_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+        if (self.block_size is not None and self.block_size < 1) or self.max_num_batched_tokens < 1 \
+                or self.max_num_seqs < 1:
             raise ValueError("block_size, max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
@@ -102,6 +107,10 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def resolve_block_size(block_size: int | None, device: torch.device) -> int:
+    return block_size or DEFAULT_BLOCK_SIZE.get(device.type, DEFAULT_BLOCK_SIZE["cuda"])
 
 
 def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: torch.dtype | None) -> torch.dtype:

@@ -15,6 +15,7 @@ from flotilla.engine.config import (
     EngineConfig,
     default_kv_budget,
     resolve_attention_backend,
+    resolve_block_size,
     resolve_device,
     resolve_dtype,
     resolve_kv_cache_dtype,
@@ -57,6 +58,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.torch_dtype)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        self.block_size = resolve_block_size(config.block_size, self.device)
         if self.device.type == "cpu":
             if config.keep_freed_host_memory:
                 host_malloc.keep_freed_host_memory()  # before the weights and KV pool: they come from the heap too
@@ -74,12 +76,12 @@ class LLMEngine:
             cpu_linear.pack_linears(model)
         num_blocks = config.num_kv_blocks or self._blocks_for_budget()
         self.runner = ModelRunner(
-            model, num_blocks, config.block_size, self.kv_cache_dtype, self.device, config.num_host_kv_blocks,
+            model, num_blocks, self.block_size, self.kv_cache_dtype, self.device, config.num_host_kv_blocks,
             config.seed, self.attention_backend, self._graph_sizes(model), self.max_model_len,
             config.cuda_graph_memory_bytes,
         )
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, config.num_host_kv_blocks
+            num_blocks, self.block_size, config.enable_prefix_caching, config.num_host_kv_blocks
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -116,9 +118,9 @@ class LLMEngine:
 
     def _blocks_for_budget(self) -> int:
         budget = self.config.kv_cache_memory_bytes or default_kv_budget(self.device)
-        num_blocks = num_blocks_for_budget(self.model_config, self.config.block_size, self.kv_cache_dtype, budget)
+        num_blocks = num_blocks_for_budget(self.model_config, self.block_size, self.kv_cache_dtype, budget)
         if num_blocks < 1:
-            raise ValueError(f"a KV budget of {budget} bytes holds no block of {self.config.block_size} tokens")
+            raise ValueError(f"a KV budget of {budget} bytes holds no block of {self.block_size} tokens")
         return num_blocks
 
     # ---- requests ------------------------------------------------------------------------------

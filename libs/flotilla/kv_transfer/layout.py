@@ -1,6 +1,6 @@
 """Where a worker's KV pool lives, described so that a peer can address single blocks in it.
 
-The pool is one contiguous tensor [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
+The pool is one contiguous tensor [num_layers, 2 (K, V), num_blocks, num_kv_heads, block_size, head_dim]
 (`flotilla.engine.model.kv_cache.kv_pool_tensor`). One (layer, K|V, block) slice is `block_bytes`
 contiguous bytes, so descriptor i = (layer * 2 + kv) * num_blocks + block addresses it directly.
 """
@@ -26,7 +26,7 @@ class KVPoolLayout:
     @classmethod
     def of_pool(cls, pool: torch.Tensor) -> KVPoolLayout:
         if pool.dim() != 6 or pool.shape[1] != 2 or not pool.is_contiguous():
-            raise ValueError(f"expected a contiguous [L, 2, N, B, H, D] pool tensor, got {tuple(pool.shape)}")
+            raise ValueError(f"expected a contiguous [L, 2, N, H, B, D] pool tensor, got {tuple(pool.shape)}")
         num_layers, _, num_blocks = pool.shape[:3]
         block_bytes = pool[0, 0, 0].numel() * pool.element_size()
         is_gpu = pool.device.type == "cuda"

@@ -59,7 +59,7 @@ class KVHandoff:
         transport = await asyncio.to_thread(NixlTransport, pool, f"{worker_id}-{uuid.uuid4().hex[:8]}")
         arrivals = ArrivalTracker(transport.local_info().layout.num_layers)
         transport.set_notif_handler(arrivals.on_notif)
-        sender = KVSender(transport, engine.engine.config.block_size, settings.layerwise, settings.lease_s)
+        sender = KVSender(transport, engine.engine.block_size, settings.layerwise, settings.lease_s)
         await engine.call(lambda llm: setattr(llm.runner, "kv_hook", sender))
         return cls(engine, settings, transport, arrivals, sender, tls=tls)
 
@@ -84,7 +84,7 @@ class KVHandoff:
                 num_layers=layout.num_layers, num_blocks=layout.num_blocks, block_bytes=layout.block_bytes,
                 base_address=layout.base_address, device_id=layout.device_id, mem_type=layout.mem_type,
             ),
-            block_size=self.engine.engine.config.block_size,
+            block_size=self.engine.engine.block_size,
             model_version=self.engine.engine.model_version,
         )  # fmt: skip
 

@@ -5,6 +5,7 @@ import torch
 
 from flotilla.engine.model import decode_kernel
 from flotilla.engine.model.attention import AttentionMetadata, SeqChunk, paged_attention
+from flotilla.engine.model.kv_cache import layer_shape, token_major
 
 pytestmark = pytest.mark.skipif(decode_kernel.load() is None, reason="no C compiler for the CPU kernel")
 
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.skipif(decode_kernel.load() is None, reason="no C compi
 def test_kernel_matches_sdpa_path(num_heads, num_kv_heads, head_dim):
     torch.manual_seed(0)
     block_size, num_blocks = 4, 64
-    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim)
+    kv_cache = torch.randn(layer_shape(num_blocks, block_size, num_kv_heads, head_dim))
     # three decode sequences with shuffled, non-contiguous tables and different lengths, one prefill chunk
     perm = torch.randperm(num_blocks).tolist()
     seqs = [SeqChunk(9, 1, perm[0:3]), SeqChunk(0, 1, perm[3:4]), SeqChunk(30, 1, perm[4:12]), SeqChunk(2, 5, perm[12:14])]
@@ -34,7 +35,7 @@ def test_kernel_window_and_softcap_match_the_torch_path(window, softcap, scale):
     """Sliding window (keys older than `window` are never read), tanh soft-cap and scale as the SDPA/math path."""
     torch.manual_seed(1)
     block_size, num_blocks, num_heads, num_kv_heads, head_dim = 4, 64, 8, 2, 16
-    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim)
+    kv_cache = torch.randn(layer_shape(num_blocks, block_size, num_kv_heads, head_dim))
     perm = torch.randperm(num_blocks).tolist()
     seqs = [SeqChunk(9, 1, perm[0:3]), SeqChunk(0, 1, perm[3:4]), SeqChunk(30, 1, perm[4:12]),
             SeqChunk(4, 1, perm[12:14])]
@@ -52,7 +53,7 @@ def test_kernel_window_and_softcap_match_the_torch_path(window, softcap, scale):
 
 
 def test_kernel_window_never_reads_older_keys():
-    kv_cache = torch.zeros(2, 4, 2, 1, 4)
+    kv_cache = torch.zeros(layer_shape(4, 2, 1, 4))  # blocks of 2 tokens
     kv_cache[1, 3] = 1.0  # V of context tokens 2 and 3 (block 3)
     kv_cache[:, 2] = float("nan")  # tokens 0 and 1, outside a window of 2: never read
     out = decode_kernel.paged_decode_attention(torch.ones(1, 1, 4), kv_cache, torch.tensor([[2, 3]]),
@@ -61,8 +62,8 @@ def test_kernel_window_never_reads_older_keys():
 
 
 def test_kernel_reads_only_the_context():
-    kv_cache = torch.zeros(2, 4, 2, 1, 4)
-    kv_cache[1, 2, 0] = 1.0  # V of the only context token (block 2, offset 0)
+    kv_cache = torch.zeros(layer_shape(4, 2, 1, 4))
+    token_major(kv_cache)[1, 2, 0] = 1.0  # V of the only context token (block 2, offset 0)
     kv_cache[:, 3] = 1e6  # a neighbouring block that must not be read
     out = decode_kernel.paged_decode_attention(
         torch.ones(1, 1, 4), kv_cache, torch.tensor([[2, 3]]), torch.tensor([1])
@@ -72,6 +73,7 @@ def test_kernel_reads_only_the_context():
 
 def _reference(q, kv_cache, tables, lens, scale, window, softcap):
     """Decode attention in float64 straight from the definition: each sequence's keys gathered through its table."""
+    kv_cache = token_major(kv_cache)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)
@@ -100,7 +102,7 @@ def test_kernel_matches_the_definition_on_long_scattered_contexts(num_heads, num
     lens = torch.tensor([1, 7, 8, 9, 17, 63, 100, 203], dtype=torch.int64)
     width = int((lens.max() + block_size - 1) // block_size)
     num_blocks = len(lens) * width + 3
-    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim)
+    kv_cache = torch.randn(layer_shape(num_blocks, block_size, num_kv_heads, head_dim))
     tables = torch.randperm(num_blocks)[: len(lens) * width].view(len(lens), width).contiguous()
     q = torch.randn(len(lens), num_heads, head_dim)
     scale = head_dim ** -0.5

@@ -10,6 +10,7 @@ from flotilla.engine.model import (
     load_model,
     num_blocks_for_budget,
 )
+from flotilla.engine.model.kv_cache import layer_dims, token_major
 
 from .helpers import PagedDriver, hf_logits, make_checkpoint, random_tokens
 
@@ -22,11 +23,22 @@ CONFIG = ModelConfig.from_dict({
 
 def test_allocate_one_pool_with_per_layer_views():
     caches = allocate_kv_cache(CONFIG, num_blocks=5, block_size=4, dtype=torch.float32, device=CPU)
-    assert len(caches) == 3 and caches[0].shape == (2, 5, 4, 2, 4)
+    assert len(caches) == 3 and caches[0].shape == (2, 5, 2, 4, 4)  # [K/V, blocks, KV heads, block size, D]
     pool = kv_pool_tensor(caches)
-    assert pool.shape == (3, 2, 5, 4, 2, 4) and pool.is_contiguous()
-    caches[2][1, 4, 3, 1, 3] = 7.0
-    assert pool[2, 1, 4, 3, 1, 3] == 7.0 and pool.sum() == 7.0
+    assert pool.shape == (3, 2, 5, 2, 4, 4) and pool.is_contiguous()
+    caches[2][1, 4, 1, 3, 3] = 7.0
+    assert pool[2, 1, 4, 1, 3, 3] == 7.0 and pool.sum() == 7.0
+    assert token_major(caches[2])[1, 4, 3, 1, 3] == 7.0  # V, block 4, token 3, KV head 1
+
+
+def test_layer_dims_and_token_major_view_name_the_same_element():
+    caches = allocate_kv_cache(CONFIG, num_blocks=5, block_size=4, dtype=torch.float32, device=CPU)
+    assert layer_dims(caches[0]) == (5, 2, 4, 4)  # blocks, KV heads, block size, head dim
+    values = torch.arange(caches[0].numel(), dtype=torch.float32).view(caches[0].shape)
+    # a KV head's rows of one block are one contiguous run, token after token
+    run = values[0, 3, 1].reshape(-1)
+    assert torch.equal(run, token_major(values)[0, 3, :, 1].reshape(-1))
+    assert run[-1] - run[0] == run.numel() - 1
 
 
 def test_kv_pool_tensor_rejects_separate_tensors():

@@ -10,6 +10,7 @@ import torch
 
 from flotilla.engine.model import prefill_kernel
 from flotilla.engine.model.kernel_build import KernelLibrary
+from flotilla.engine.model.kv_cache import layer_shape, token_major
 
 pytestmark = [pytest.mark.unit,
               pytest.mark.skipif(prefill_kernel.load() is None, reason="no C compiler for the CPU kernels")]
@@ -17,6 +18,7 @@ pytestmark = [pytest.mark.unit,
 
 def definition(q, kv_cache, table, start, scale, window=None, softcap=None):
     num_queries, num_heads, head_dim = q.shape
+    kv_cache = token_major(kv_cache)
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     context_len = start + num_queries
     gathered = kv_cache[:, table].reshape(2, -1, num_kv_heads, head_dim)[:, :context_len].double()
@@ -81,7 +83,7 @@ def test_the_kernel_equals_the_definition(num_queries, start, heads, kv_heads, h
     generator = torch.Generator().manual_seed(num_queries * 31 + start)
     context_len = start + num_queries
     num_blocks = -(-context_len // block_size)
-    kv_cache = torch.randn(2, num_blocks + 7, block_size, kv_heads, head_dim, generator=generator)
+    kv_cache = torch.randn(layer_shape(num_blocks + 7, block_size, kv_heads, head_dim), generator=generator)
     table = torch.randperm(num_blocks + 7, generator=generator)[:num_blocks]  # scattered, out of order
     qkv = torch.randn(num_queries, (heads + 2 * kv_heads) * head_dim, generator=generator) * 2
     q = qkv[:, : heads * head_dim].view(num_queries, heads, head_dim)  # rows a stride of the fused qkv apart
@@ -98,15 +100,15 @@ def test_the_kernel_equals_the_definition(num_queries, start, heads, kv_heads, h
 
 
 def test_the_kernel_does_not_apply_to_16_bit_or_odd_head_sizes():
-    assert prefill_kernel.applies(torch.zeros(2, 1, 16, 2, 32))
-    assert not prefill_kernel.applies(torch.zeros(2, 1, 16, 2, 32, dtype=torch.bfloat16))
-    assert not prefill_kernel.applies(torch.zeros(2, 1, 16, 2, 20))
+    assert prefill_kernel.applies(torch.zeros(layer_shape(1, 16, 2, 32)))
+    assert not prefill_kernel.applies(torch.zeros(layer_shape(1, 16, 2, 32), dtype=torch.bfloat16))
+    assert not prefill_kernel.applies(torch.zeros(layer_shape(1, 16, 2, 20)))
 
 
 def test_a_bad_output_tensor_is_refused():
     q = torch.randn(4, 2, 8)
     with pytest.raises(ValueError, match="contiguous"):
-        prefill_kernel.paged_prefill_attention(q, torch.randn(2, 1, 16, 1, 8), torch.tensor([0]), 0,
+        prefill_kernel.paged_prefill_attention(q, torch.randn(layer_shape(1, 16, 1, 8)), torch.tensor([0]), 0,
                                                torch.empty(4, 8, 2).transpose(1, 2))
 
 
@@ -121,7 +123,7 @@ def test_one_call_for_a_steps_chunks_equals_each_chunk_alone(window, softcap, th
     rows_between = 5  # rows of other sequences between chunks (decode rows in the engine's step)
     widths = [-(-(start + count) // block_size) for start, count in chunks]
     num_blocks = sum(widths) + 5
-    kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=generator)
+    kv_cache = torch.randn(layer_shape(num_blocks, block_size, kv_heads, head_dim), generator=generator)
     order = torch.randperm(num_blocks, generator=generator)
     tables = torch.zeros(len(chunks), max(widths), dtype=torch.int64)
     taken, row_offsets, row = 0, [], 0

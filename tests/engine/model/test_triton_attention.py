@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from flotilla.engine.model.attention import AttentionMetadata, SeqChunk, paged_attention
+from flotilla.engine.model.kv_cache import layer_shape
 
 pytest.importorskip("triton")
 # tests/conftest.py sets it before anything imports triton
@@ -23,7 +24,7 @@ CPU = torch.device("cpu")
 def _step(seqs, block_size, num_heads, num_kv_heads, head_dim, num_blocks, dtype=torch.float32, seed=0):
     torch.manual_seed(seed)
     num_tokens = sum(seq.num_tokens for seq in seqs)
-    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    kv_cache = torch.randn(layer_shape(num_blocks, block_size, num_kv_heads, head_dim)).to(dtype)
     q = torch.randn(num_tokens, num_heads, head_dim).to(dtype)
     k = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
     v = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
@@ -108,7 +109,7 @@ def test_empty_context_rows_come_out_zero():
     """A padded decode row (context length 0, as CUDA-graph padding makes) reads nothing and writes zeros."""
     from flotilla.engine.model import triton_attention
 
-    kv_cache = torch.full((2, 4, 4, 1, 16), float("nan"))
+    kv_cache = torch.full(layer_shape(4, 4, 1, 16), float("nan"))
     q = torch.randn(2, 2, 16)
     out = triton_attention.paged_attention(q, kv_cache, torch.zeros(2, 1, dtype=torch.int64),
                                            torch.tensor([0, 1, 2]), torch.tensor([0, 0]), 1)

@@ -120,7 +120,7 @@ async def test_one_tenants_prompt_never_hits_another_tenants_prefix_cache(tenanc
     """The engine's prefix cache is salted per tenant (the key's cache salt, else its tenant): the same prompt from
     another tenant is computed afresh, while the first tenant's repeat hits its own cached blocks."""
     first, other = tenancy_fleet.create_key("cache-a"), tenancy_fleet.create_key("cache-b")
-    prompt = list(range(300, 300 + 96))  # six 16-token blocks, sent by no other test
+    prompt = list(range(300, 300 + 320))  # two whole 128-token blocks (a CPU worker's default); no other test sends it
 
     async def cached_tokens(client: httpx.AsyncClient, key: str) -> int:
         answer = await client.post(f"{tenancy_fleet.urls[0]}/v1/completions", headers={"authorization": f"Bearer {key}"},

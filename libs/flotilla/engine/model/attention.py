@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from flotilla.engine.model import decode_kernel, prefill_kernel
+from flotilla.engine.model.kv_cache import layer_dims
 
 
 class SeqChunk(NamedTuple):
@@ -314,16 +315,15 @@ def paged_attention(
     window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D], k/v [T, H_kv, D], kv_cache [2, num_blocks, block_size, H_kv, D] -> [T, H, D].
-    scale: of q.k (None: D ** -0.5); window: this layer's sliding window (the one `meta` was built for);
+    """q [T, H, D], k/v [T, H_kv, D], kv_cache [2, num_blocks, H_kv, block_size, D] (kv_cache.layer_shape) ->
+    [T, H, D]. scale: of q.k (None: D ** -0.5); window: this layer's sliding window (the one `meta` was built for);
     softcap: scores -> softcap * tanh(scores / softcap) before masking."""
     if window is not None and window != meta.sliding_window:
         raise ValueError(f"a layer with sliding window {window} needs metadata built for it, got {meta.sliding_window}")
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    k_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
-    v_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
-    _write_slots(k_cache, meta.slot_mapping, k)
-    _write_slots(v_cache, meta.slot_mapping, v)
+    block_size = layer_dims(kv_cache).block_size
+    slot_index = (meta.slot_mapping // block_size, slice(None), meta.slot_mapping % block_size)
+    _write_slots(kv_cache[0], slot_index, k)
+    _write_slots(kv_cache[1], slot_index, v)
     if meta.query_start_loc is not None:
         from flotilla.engine.model import triton_attention  # imports triton: only where it runs
 
@@ -343,14 +343,13 @@ def paged_attention(
     return out
 
 
-def _write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
-    """cache[slots] = values, cast to the cache's type; fp8 caches are written as bytes (index_copy_ has no fp8)."""
-    if cache.dtype == values.dtype:
-        cache.index_copy_(0, slots, values)
-    elif cache.element_size() == 1:
-        cache.view(torch.uint8).index_copy_(0, slots, values.to(cache.dtype).view(torch.uint8))
+def _write_slots(cache: torch.Tensor, slot_index: tuple, values: torch.Tensor) -> None:
+    """cache[blocks, :, offsets] = values ([T, H_kv, D]) for one of K or V ([num_blocks, H_kv, block_size, D]),
+    cast to the cache's type; fp8 caches are written as bytes (index_put_ has no fp8)."""
+    if cache.element_size() == 1 and cache.dtype != values.dtype:
+        cache.view(torch.uint8)[slot_index] = values.to(cache.dtype).view(torch.uint8)
     else:
-        cache.index_copy_(0, slots, values.to(cache.dtype))
+        cache[slot_index] = values.to(cache.dtype)
 
 
 class _Scores(NamedTuple):
@@ -362,11 +361,11 @@ class _Scores(NamedTuple):
 
 
 def _gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, dtype: torch.dtype) -> torch.Tensor:
-    """K and V of whole blocks in one copy: [2, num_seqs, num_blocks_each * block_size, H_kv, D] in `dtype` (the
-    queries'; a no-op unless the cache is narrower). Copying whole blocks is several times faster than gathering
-    token slots one by one."""
-    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    return kv_cache.index_select(1, block_ids).view(2, num_seqs, -1, num_kv_heads, head_dim).to(dtype)
+    """K and V of whole blocks in one copy: [2, num_seqs, H_kv, num_blocks_each * block_size, D] in `dtype` (the
+    queries'). Copying whole blocks is several times faster than gathering token slots one by one."""
+    num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[4]
+    blocks = kv_cache.index_select(1, block_ids).view(2, num_seqs, -1, num_kv_heads, kv_cache.shape[3], head_dim)
+    return blocks.transpose(2, 3).reshape(2, num_seqs, num_kv_heads, -1, head_dim).to(dtype)
 
 
 def _attend(q, keys, values, mask, scores: _Scores) -> torch.Tensor:
@@ -387,11 +386,10 @@ def _attend(q, keys, values, mask, scores: _Scores) -> torch.Tensor:
 def _decode_attention(q, kv_cache, batch: DecodeBatch, out: torch.Tensor, scores: _Scores) -> None:
     """GQA without copying K/V: the G query heads sharing a KV head become G query rows of it."""
     num_heads, head_dim = q.shape[1:]
-    num_kv_heads = kv_cache.shape[-2]
+    num_kv_heads = layer_dims(kv_cache).num_kv_heads
     rows = q[batch.token_slice] if batch.token_slice is not None else q[batch.token_indices]
     queries = rows.view(-1, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, H_kv, G, D]
-    gathered = _gather_blocks(kv_cache, batch.block_ids, queries.shape[0], q.dtype)
-    keys, values = gathered.transpose(2, 3)  # [B, H_kv, L, D]
+    keys, values = _gather_blocks(kv_cache, batch.block_ids, queries.shape[0], q.dtype)  # [B, H_kv, L, D]
     result = _attend(queries, keys, values, batch.window_mask if scores.windowed else batch.mask, scores)
     result = result.reshape(-1, num_heads, head_dim)
     if batch.token_slice is not None:
@@ -418,7 +416,7 @@ def _prefill_attention(q, kv_cache, chunk: PrefillChunk, scores: _Scores) -> tor
     if scores.windowed:
         block_ids, key_start, mask = chunk.window_block_ids, chunk.window_key_start, chunk.window_mask
     gathered = _gather_blocks(kv_cache, block_ids, 1, q.dtype)
-    keys, values = gathered[:, :, : chunk.context_len - key_start].transpose(2, 3)
+    keys, values = gathered[:, :, :, : chunk.context_len - key_start]  # [1, H_kv, L, D]
     queries = q.transpose(0, 1)[None]  # [1, H, T, D]
     if scores.softcap is None:
         result = F.scaled_dot_product_attention(

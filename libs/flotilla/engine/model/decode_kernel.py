@@ -9,6 +9,7 @@ import ctypes
 import torch
 
 from flotilla.engine.model.kernel_build import CSRC, KernelLibrary
+from flotilla.engine.model.kv_cache import layer_dims
 
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-shared", "-fPIC"]
 SOURCE = CSRC / "paged_decode_attention.c"
@@ -46,7 +47,7 @@ def paged_decode_attention(
     softcap: float | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, H, D] -> [B, H, D]; kv_cache [2, num_blocks, block_size, H_kv, D]; block_tables [B, W] int64.
+    """q [B, H, D] -> [B, H, D]; kv_cache [2, num_blocks, H_kv, block_size, D]; block_tables [B, W] int64.
     scale: of q.k (None: D ** -0.5); window: attend to the last `window` keys only; softcap: tanh soft-cap.
     out: a contiguous [B, H, D] float32 tensor to write into (the layer's output rows: no copy afterwards)."""
     q = q.contiguous()
@@ -54,7 +55,7 @@ def paged_decode_attention(
         out = torch.empty_like(q)
     elif out.shape != q.shape or not out.is_contiguous() or out.dtype != q.dtype:
         raise ValueError(f"out must be a contiguous {tuple(q.shape)} {q.dtype} tensor, got {tuple(out.shape)}")
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_blocks, num_kv_heads, block_size, head_dim = layer_dims(kv_cache)
     status = load().paged_decode_attention_f32(
         q.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(),
         q.shape[0], q.shape[1], num_kv_heads, head_dim, num_blocks, block_size, block_tables.shape[1],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -17,15 +18,43 @@ def allocate_kv_cache(
     device: torch.device,
     pin_memory: bool = False,
 ) -> list[torch.Tensor]:
-    """Per-layer views [2, num_blocks, block_size, num_kv_heads, head_dim] of ONE zeroed pool tensor
-    [num_layers, 2, ...], so that the whole pool can be registered for transfer once
+    """Per-layer views [2, num_blocks, num_kv_heads, block_size, head_dim] (`layer_shape`) of ONE zeroed pool
+    tensor [num_layers, 2, ...], so that the whole pool can be registered for transfer once
     (`kv_pool_tensor(kv_caches)` gives it back). `pin_memory` (host pools only, needs CUDA) makes
     copies between a host swap pool and the GPU asynchronous."""
     if num_blocks < 1 or block_size < 1:
         raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
-    shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    shape = (config.num_layers, *layer_shape(num_blocks, block_size, config.num_kv_heads, config.head_dim))
     pool = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
     return list(pool.unbind(0))
+
+
+def layer_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """One layer's cache: [2 (K, V), num_blocks, num_kv_heads, block_size, head_dim], head-major inside a block.
+    A KV head's keys of a block are one contiguous run (block_size * head_dim values), read in order by the CPU
+    decode kernel: with 128-token blocks that ran 1.4x the token-major layout [.., block_size, num_kv_heads, ..]
+    (loadtest/bench_kv_layout.py, docs/performance.md). A whole block is still one contiguous slice of K (or V),
+    which is all that swap, copy-on-write and NIXL transfers address."""
+    return (2, num_blocks, num_kv_heads, block_size, head_dim)
+
+
+class LayerDims(NamedTuple):
+    num_blocks: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+
+
+def layer_dims(kv_cache: torch.Tensor) -> LayerDims:
+    """The sizes of one layer's cache made by `allocate_kv_cache` (or shaped by `layer_shape`)."""
+    _, num_blocks, num_kv_heads, block_size, head_dim = kv_cache.shape
+    return LayerDims(num_blocks, num_kv_heads, block_size, head_dim)
+
+
+def token_major(kv_cache: torch.Tensor) -> torch.Tensor:
+    """A view of one layer's cache as [2, num_blocks, block_size, num_kv_heads, head_dim]: token t of block b is
+    view[:, b, t]. For readers that think in tokens (tests' references, debugging); no copy."""
+    return kv_cache.transpose(2, 3)
 
 
 def kv_pool_tensor(kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:

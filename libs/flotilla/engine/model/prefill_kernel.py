@@ -13,6 +13,7 @@ import torch
 
 from flotilla.engine.model.decode_kernel import CFLAGS
 from flotilla.engine.model.kernel_build import CSRC, KernelLibrary
+from flotilla.engine.model.kv_cache import layer_dims
 
 SOURCE = CSRC / "paged_prefill_attention.c"
 
@@ -51,7 +52,7 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """q [T, H, D] (rows may be strided: a slice of the fused qkv) of one sequence's queries at positions
     start..start+T-1 -> out [T, H, D] (contiguous float32, written in place); kv_cache [2, num_blocks,
-    block_size, H_kv, D] already holding this chunk's K/V; block_table [W] int64 covering start + T tokens."""
+    H_kv, block_size, D] already holding this chunk's K/V; block_table [W] int64 covering start + T tokens."""
     chunk = PrefillBatch.build(block_table[None], [start], [0], [q.shape[0]])
     return paged_prefill_attention_batch(q, kv_cache, chunk, out, scale, window, softcap)
 
@@ -73,7 +74,7 @@ def paged_prefill_attention_batch(
         q = q.contiguous()
     if out.shape != q.shape or not out.is_contiguous() or out.dtype != torch.float32:
         raise ValueError(f"out must be a contiguous {tuple(q.shape)} float32 tensor, got {tuple(out.shape)}")
-    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    num_blocks, num_kv_heads, block_size, _ = layer_dims(kv_cache)
     status = load().paged_prefill_attention_batch_f32(
         q.data_ptr(), q.stride(0), kv_cache.data_ptr(), chunks.tables.data_ptr(), chunks.tables.shape[1],
         chunks.starts.data_ptr(), chunks.row_offsets.data_ptr(), chunks.counts.data_ptr(), chunks.starts.shape[0],

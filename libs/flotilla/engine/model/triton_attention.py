@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flotilla.engine.model.kv_cache import layer_dims
+
 # Rows per program (query tokens x the heads of a group) and key positions per tile. On a GPU tl.dot needs
 # M >= 16; the interpreter runs every padded row as numpy work, so it gets the smallest tiles.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -107,10 +109,10 @@ def paged_attention(
     block_n: int = BLOCK_N,
 ) -> torch.Tensor:
     """q [T, H, D] (sequence i's tokens are rows query_start_loc[i]:query_start_loc[i+1], the last ones of its
-    context of context_lens[i] keys); kv_cache [2, num_blocks, block_size, H_kv, D] already holding this step's
+    context of context_lens[i] keys); kv_cache [2, num_blocks, H_kv, block_size, D] already holding this step's
     K/V; block_tables [num_seqs, W]. -> [T, H, D]. max_query_len (a host int) sizes the grid only."""
     _, num_heads, head_dim = q.shape
-    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    _, num_kv_heads, block_size, _ = layer_dims(kv_cache)
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not share {num_kv_heads} KV heads evenly")
     if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
@@ -126,7 +128,7 @@ def paged_attention(
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(2), k_cache.stride(1), block_tables.stride(0),  # block, token, head
         head_dim ** -0.5 if scale is None else scale, softcap or 1.0, window or 0, block_size,
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), GROUP=group, GROUP_PAD=group_pad,
         BLOCK_M=block_m, BLOCK_N=block_n, USE_SOFTCAP=softcap is not None, USE_WINDOW=window is not None,

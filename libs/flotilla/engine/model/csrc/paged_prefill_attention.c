@@ -18,7 +18,7 @@
  * Layouts (float32):
  *   q   [num_queries, H, D], rows q_stride floats apart (q is a slice of the layer's fused qkv output)
  *   out [num_queries, H, D], contiguous
- *   kv (a layer) [2, num_blocks, block_size, KVH, D]; table [W] int64
+ *   kv (a layer) [2, num_blocks, KVH, block_size, D] (head-major inside a block); table [W] int64
  * window > 0: query p sees keys p-window+1..p only; softcap > 0: scores -> softcap * tanh(scores / softcap).
  */
 #include <math.h>
@@ -95,10 +95,11 @@ static inline float hsum(vec x) {
 }
 
 /* The keys of one call, shared by its work items: positions key_base.. in blocks of KEY_BLOCK, each block's K
- * transposed per KV head into [D][KEY_BLOCK] (zeros past the last key), and every key's cache slot. */
+ * transposed per KV head into [D][KEY_BLOCK] (zeros past the last key), and every key's row in the cache: KV head
+ * j's K (or V) of the key is D floats at (row + j * block_size) * D. */
 typedef struct {
     float *keys_t;   /* [KVH][num_blocks][D][KEY_BLOCK] */
-    int64_t *slots;  /* [num_blocks * KEY_BLOCK], -1 past the last key */
+    int64_t *slots;  /* [num_blocks * KEY_BLOCK] rows (cache block * KVH * block_size + offset), -1 past the last key */
     int64_t key_base, num_blocks;
 } Keys;
 
@@ -132,12 +133,12 @@ static void transpose_key_block(const Keys *keys, const float *k_cache, const in
     int64_t *slots = keys->slots + block * KEY_BLOCK;
     for (int i = 0; i < KEY_BLOCK; i++) {
         const int64_t key = keys->key_base + block * KEY_BLOCK + i;
-        slots[i] = key <= last_position ? table[key / block_size] * block_size + key % block_size : -1;
+        slots[i] = key <= last_position ? table[key / block_size] * num_kv_heads * block_size + key % block_size : -1;
     }
     for (int64_t kv_head = 0; kv_head < num_kv_heads; kv_head++) {
         float *kt = keys->keys_t + (kv_head * keys->num_blocks + block) * D * KEY_BLOCK;
         for (int i = 0; i < KEY_BLOCK; i++) {
-            const float *k = slots[i] < 0 ? NULL : k_cache + (slots[i] * num_kv_heads + kv_head) * D;
+            const float *k = slots[i] < 0 ? NULL : k_cache + (slots[i] + kv_head * block_size) * D;
             for (int64_t d = 0; d < D; d++) kt[d * KEY_BLOCK + i] = k ? k[d] : 0.0f;
         }
     }
@@ -232,11 +233,10 @@ static inline __attribute__((always_inline)) float softmax_step(vec scores[KEY_V
 }
 
 static inline __attribute__((always_inline)) void attend_tile_d(
-    const float *q, int64_t q_stride, const Keys *keys, const float *v_cache, int64_t num_heads, int64_t num_kv_heads,
-    int64_t kv_head, int64_t start, int64_t first_query, int64_t last_query, float scale, int64_t window,
+    const float *q, int64_t q_stride, const Keys *keys, const float *v_cache, int64_t block_size, int64_t num_heads,
+    int64_t num_kv_heads, int64_t kv_head, int64_t start, int64_t first_query, int64_t last_query, float scale, int64_t window,
     float softcap, float *out, Scratch *s, const int64_t D) {
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t token_stride = num_kv_heads * D;
     const int64_t rows = (last_query - first_query) * group;
     const int64_t padded_rows = (rows + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
     /* Row r: query first_query + r / group, head kv_head * group + r % group; queries scaled once. */
@@ -263,7 +263,7 @@ static inline __attribute__((always_inline)) void attend_tile_d(
         const int64_t t = keys->key_base + block * KEY_BLOCK;
         const int count = last_position + 1 - t < KEY_BLOCK ? (int)(last_position + 1 - t) : KEY_BLOCK;
         const float *kt = keys->keys_t + (kv_head * keys->num_blocks + block) * D * KEY_BLOCK;
-        for (int i = 0; i < count; i++) v_rows[i] = v_cache + keys->slots[block * KEY_BLOCK + i] * token_stride + kv_head * D;
+        for (int i = 0; i < count; i++) v_rows[i] = v_cache + (keys->slots[block * KEY_BLOCK + i] + kv_head * block_size) * D;
         for (int64_t r0 = 0; r0 < padded_rows; r0 += ROW_BLOCK) {
             const int64_t *positions = s->positions + r0;
             int64_t highest = positions[0];
@@ -294,11 +294,12 @@ static inline __attribute__((always_inline)) void attend_tile_d(
     }
 }
 
-static void attend_tile(const float *q, int64_t q_stride, const Keys *keys, const float *v_cache, int64_t num_heads,
-                        int64_t num_kv_heads, int64_t head_dim, int64_t kv_head, int64_t start, int64_t first_query,
-                        int64_t last_query, float scale, int64_t window, float softcap, float *out, Scratch *s) {
-#define ATTEND(D) attend_tile_d(q, q_stride, keys, v_cache, num_heads, num_kv_heads, kv_head, start, first_query, \
-                                last_query, scale, window, softcap, out, s, D)
+static void attend_tile(const float *q, int64_t q_stride, const Keys *keys, const float *v_cache, int64_t block_size,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t kv_head, int64_t start,
+                        int64_t first_query, int64_t last_query, float scale, int64_t window, float softcap,
+                        float *out, Scratch *s) {
+#define ATTEND(D) attend_tile_d(q, q_stride, keys, v_cache, block_size, num_heads, num_kv_heads, kv_head, start, \
+                                first_query, last_query, scale, window, softcap, out, s, D)
     FLOTILLA_FOR_HEAD_DIM(head_dim, ATTEND)
 #undef ATTEND
 }
@@ -400,7 +401,7 @@ int paged_prefill_attention_batch_f32(const float *q, int64_t q_stride, const fl
             const Chunk *chunk = &chunks[items[i].chunk];
             const int64_t first = items[i].tile * QUERY_TILE;
             const int64_t last = first + QUERY_TILE < chunk->num_queries ? first + QUERY_TILE : chunk->num_queries;
-            attend_tile(chunk->q, q_stride, &chunk->keys, v_cache, num_heads, num_kv_heads, head_dim,
+            attend_tile(chunk->q, q_stride, &chunk->keys, v_cache, block_size, num_heads, num_kv_heads, head_dim,
                         items[i].kv_head, chunk->start, first, last, scale, window, softcap, chunk->out, &scratch);
         }
         scratch_free(&scratch);
