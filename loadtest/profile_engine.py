@@ -35,8 +35,8 @@ from flotilla.models.checkpoint import SIZES
 from loadtest.common.checkpoint_cache import default_cache_dir, ensure_checkpoint
 
 MATMUL = ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "mkldnn::_linear_pointwise")
-ATTENTION = ("sdpa", "scaled_dot_product", "flash_attention", "index_select", "index_copy", "decode_kernel",
-             "prefill_kernel", "_softmax")
+ATTENTION = ("sdpa", "scaled_dot_product", "flash_attention", "index_select", "index_copy", "index_put",
+             "decode_kernel", "prefill_kernel", "_softmax")
 OTHER = ("aten::argmax", "aten::embedding", "aten::index", "aten::sort", "aten::max", "aten::sum",
          "aten::tensor", "aten::to", "aten::copy_", "aten::_to_copy", "aten::lift_fresh", "aten::empty")
 

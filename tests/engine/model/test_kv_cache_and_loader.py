@@ -10,7 +10,7 @@ from flotilla.engine.model import (
     load_model,
     num_blocks_for_budget,
 )
-from flotilla.engine.model.kv_cache import layer_dims, token_major
+from flotilla.engine.model.kv_cache import cache_rows, layer_dims, token_major
 
 from .helpers import PagedDriver, hf_logits, make_checkpoint, random_tokens
 
@@ -39,6 +39,16 @@ def test_layer_dims_and_token_major_view_name_the_same_element():
     run = values[0, 3, 1].reshape(-1)
     assert torch.equal(run, token_major(values)[0, 3, :, 1].reshape(-1))
     assert run[-1] - run[0] == run.numel() - 1
+
+
+def test_cache_rows_address_each_new_tokens_heads_at_its_slot():
+    cache = allocate_kv_cache(CONFIG, num_blocks=5, block_size=4, dtype=torch.float32, device=CPU)[0]
+    slots = torch.tensor([17, 2, 8])  # block 4 offset 1, block 0 offset 2, block 2 offset 0
+    new_k = torch.randn(3, 2, 4)  # [tokens, KV heads, head dim]
+    cache[0].view(-1, 4).index_copy_(0, cache_rows(slots, cache), new_k.reshape(-1, 4))
+    by_token = token_major(cache)[0].reshape(-1, 2, 4)  # [slots, KV heads, head dim]
+    assert torch.equal(by_token[slots], new_k)
+    assert cache.count_nonzero() == new_k.count_nonzero()  # nothing else written
 
 
 def test_kv_pool_tensor_rejects_separate_tensors():

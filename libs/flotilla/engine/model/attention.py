@@ -18,14 +18,14 @@ kernel for the whole step that reads the blocks in place (triton_attention.py).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from flotilla.engine.model import decode_kernel, prefill_kernel
-from flotilla.engine.model.kv_cache import layer_dims
+from flotilla.engine.model.kv_cache import cache_rows, layer_dims
 
 
 class SeqChunk(NamedTuple):
@@ -98,6 +98,12 @@ class AttentionMetadata:
     # Set (and decode_groups/prefills left empty) when the Triton kernel runs the whole step (triton_attention.py)
     query_start_loc: torch.Tensor | None = None  # [num_seqs + 1] each sequence's first row in the input
     max_query_len: int = 0
+    # [T * H_kv] where each new token's K/V rows go (kv_cache.cache_rows): set once per forward (with_cache_rows),
+    # since every layer's cache has the same shape; None: paged_attention computes them
+    cache_rows: torch.Tensor | None = None
+
+    def with_cache_rows(self, kv_cache: torch.Tensor) -> AttentionMetadata:
+        return replace(self, cache_rows=cache_rows(self.slot_mapping, kv_cache))
 
     @classmethod
     def build(
@@ -320,10 +326,9 @@ def paged_attention(
     softcap: scores -> softcap * tanh(scores / softcap) before masking."""
     if window is not None and window != meta.sliding_window:
         raise ValueError(f"a layer with sliding window {window} needs metadata built for it, got {meta.sliding_window}")
-    block_size = layer_dims(kv_cache).block_size
-    slot_index = (meta.slot_mapping // block_size, slice(None), meta.slot_mapping % block_size)
-    _write_slots(kv_cache[0], slot_index, k)
-    _write_slots(kv_cache[1], slot_index, v)
+    rows = meta.cache_rows if meta.cache_rows is not None else cache_rows(meta.slot_mapping, kv_cache)
+    _write_rows(kv_cache[0], rows, k)
+    _write_rows(kv_cache[1], rows, v)
     if meta.query_start_loc is not None:
         from flotilla.engine.model import triton_attention  # imports triton: only where it runs
 
@@ -343,13 +348,15 @@ def paged_attention(
     return out
 
 
-def _write_slots(cache: torch.Tensor, slot_index: tuple, values: torch.Tensor) -> None:
-    """cache[blocks, :, offsets] = values ([T, H_kv, D]) for one of K or V ([num_blocks, H_kv, block_size, D]),
-    cast to the cache's type; fp8 caches are written as bytes (index_put_ has no fp8)."""
-    if cache.element_size() == 1 and cache.dtype != values.dtype:
-        cache.view(torch.uint8)[slot_index] = values.to(cache.dtype).view(torch.uint8)
+def _write_rows(cache: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """New K (or V) [T, H_kv, D] into their rows of one of K or V ([num_blocks, H_kv, block_size, D]), cast to the
+    cache's type; fp8 caches are written as bytes (index_copy_ has no fp8)."""
+    head_dim = cache.shape[-1]
+    values = values.reshape(-1, head_dim).to(cache.dtype)
+    if cache.element_size() == 1:
+        cache.view(torch.uint8).view(-1, head_dim).index_copy_(0, rows, values.view(torch.uint8))
     else:
-        cache[slot_index] = values.to(cache.dtype)
+        cache.view(-1, head_dim).index_copy_(0, rows, values)
 
 
 class _Scores(NamedTuple):

@@ -154,15 +154,15 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"{len(kv_caches)} KV caches for {len(self.model.layers)} layers")
         x = self.embed(input_ids)
-        meta = attn_metadata
+        meta = attn_metadata.with_cache_rows(kv_caches[0])  # every layer writes its new K/V to the same rows
         rotations = [rope.cos_sin(positions, meta.rope_lens, x.dtype, meta.max_rope_len)
                      for rope in self.model.rotary_embeddings()]  # once per step, for every layer
         pending = None  # a Llama layer's MLP output, added to x in the next norm
         for index, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             if isinstance(layer, LlamaDecoderLayer):
-                x, pending = layer.forward_residual(x, pending, rotations, attn_metadata, kv_cache)
+                x, pending = layer.forward_residual(x, pending, rotations, meta, kv_cache)
             else:
-                x = layer(x if pending is None else x + pending, rotations, attn_metadata, kv_cache)
+                x = layer(x if pending is None else x + pending, rotations, meta, kv_cache)
                 pending = None
             if layer_callback is not None:
                 layer_callback(index)
