@@ -117,7 +117,8 @@ def kernel_check(device: torch.device) -> dict:
     num_tokens = sum(seq.num_tokens for seq in seqs)
     result = {}
     for dtype in (torch.float32, torch.bfloat16):
-        cache = torch.randn(layer_shape(num_blocks, block_size, num_kv_heads, head_dim), generator=generator).to(device, dtype)
+        shape = layer_shape(num_blocks, block_size, num_kv_heads, head_dim)
+        cache = torch.randn(shape, generator=generator).to(device, dtype)
         q, k, v = (torch.randn(num_tokens, heads, head_dim, generator=generator).to(device, dtype)
                    for heads in (num_heads, num_kv_heads, num_kv_heads))
         outputs = [paged_attention(q, k, v, cache.clone(),

@@ -370,8 +370,8 @@ class _Scores(NamedTuple):
 def _gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, dtype: torch.dtype) -> torch.Tensor:
     """K and V of whole blocks in one copy: [2, num_seqs, H_kv, num_blocks_each * block_size, D] in `dtype` (the
     queries'). Copying whole blocks is several times faster than gathering token slots one by one."""
-    num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[4]
-    blocks = kv_cache.index_select(1, block_ids).view(2, num_seqs, -1, num_kv_heads, kv_cache.shape[3], head_dim)
+    _, num_kv_heads, block_size, head_dim = layer_dims(kv_cache)
+    blocks = kv_cache.index_select(1, block_ids).view(2, num_seqs, -1, num_kv_heads, block_size, head_dim)
     return blocks.transpose(2, 3).reshape(2, num_seqs, num_kv_heads, -1, head_dim).to(dtype)
 
 

@@ -234,8 +234,8 @@ static inline __attribute__((always_inline)) float softmax_step(vec scores[KEY_V
 
 static inline __attribute__((always_inline)) void attend_tile_d(
     const float *q, int64_t q_stride, const Keys *keys, const float *v_cache, int64_t block_size, int64_t num_heads,
-    int64_t num_kv_heads, int64_t kv_head, int64_t start, int64_t first_query, int64_t last_query, float scale, int64_t window,
-    float softcap, float *out, Scratch *s, const int64_t D) {
+    int64_t num_kv_heads, int64_t kv_head, int64_t start, int64_t first_query, int64_t last_query, float scale,
+    int64_t window, float softcap, float *out, Scratch *s, const int64_t D) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t rows = (last_query - first_query) * group;
     const int64_t padded_rows = (rows + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
@@ -263,7 +263,8 @@ static inline __attribute__((always_inline)) void attend_tile_d(
         const int64_t t = keys->key_base + block * KEY_BLOCK;
         const int count = last_position + 1 - t < KEY_BLOCK ? (int)(last_position + 1 - t) : KEY_BLOCK;
         const float *kt = keys->keys_t + (kv_head * keys->num_blocks + block) * D * KEY_BLOCK;
-        for (int i = 0; i < count; i++) v_rows[i] = v_cache + (keys->slots[block * KEY_BLOCK + i] + kv_head * block_size) * D;
+        for (int i = 0; i < count; i++)
+            v_rows[i] = v_cache + (keys->slots[block * KEY_BLOCK + i] + kv_head * block_size) * D;
         for (int64_t r0 = 0; r0 < padded_rows; r0 += ROW_BLOCK) {
             const int64_t *positions = s->positions + r0;
             int64_t highest = positions[0];
