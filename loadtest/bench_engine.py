@@ -219,7 +219,7 @@ def run_throughput(args: argparse.Namespace, model_dir: str, device: torch.devic
         f"{workload.num_requests} requests, {workload.num_prompt_tokens} prompt + "
         f"{workload.num_output_tokens} output tokens")
     gflops = measure_gemm_gflops(device, args.gemm_size, args.gemm_reps)
-    engine = build_engine(model_dir, args, blocks_needed(workload, resolve_block_size(args.block_size, device)) + 8)
+    engine = build_engine(model_dir, args, blocks_needed(workload, args.block_size) + 8)
     engine.generate([workload.prompts[0][:8]], forced([2]))  # warm-up
     engine_result, num_preemptions = run_engine(engine, workload)
     del engine  # free its KV pool before the next system loads
@@ -280,7 +280,7 @@ def run_memory_check(args: argparse.Namespace, model_dir: str, device: torch.dev
     workload, _ = workload_for(model_dir, args.memory_check, (16, 64), (8, 16), args.seed)
     waves = [list(range(i, min(i + args.wave_size, workload.num_requests)))
              for i in range(0, workload.num_requests, args.wave_size)]
-    num_blocks = max(blocks_needed(workload.subset(w), resolve_block_size(args.block_size, device)) for w in waves)
+    num_blocks = max(blocks_needed(workload.subset(w), args.block_size) for w in waves)
     engine = build_engine(model_dir, args, num_blocks)
     say(f"memory check: {workload.num_requests} requests in {len(waves)} waves of up to {args.wave_size}, "
         f"KV pool {num_blocks} blocks, device {device}")
@@ -325,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
+    args.block_size = resolve_block_size(args.block_size, device)  # the engine's default for the device when not given
     model_dir = resolve_model_dir(args)
     load_start = os.getloadavg()[0]
     warn_if_busy(load_start)
@@ -335,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     summary.update({
         "threads": torch.get_num_threads(),
         "device": str(device),
-        "block_size": resolve_block_size(args.block_size, device),
+        "block_size": args.block_size,
         "torch_version": torch.__version__,
         "loadavg_1m_start": round(load_start, 2),
         "loadavg_1m_end": round(os.getloadavg()[0], 2),

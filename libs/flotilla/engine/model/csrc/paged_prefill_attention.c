@@ -99,7 +99,7 @@ static inline float hsum(vec x) {
  * j's K (or V) of the key is D floats at (row + j * block_size) * D. */
 typedef struct {
     float *keys_t;   /* [KVH][num_blocks][D][KEY_BLOCK] */
-    int64_t *slots;  /* [num_blocks * KEY_BLOCK] rows (cache block * KVH * block_size + offset), -1 past the last key */
+    int64_t *rows;   /* [num_blocks * KEY_BLOCK] (cache block * KVH * block_size + offset), -1 past the last key */
     int64_t key_base, num_blocks;
 } Keys;
 
@@ -127,18 +127,18 @@ static void scratch_free(Scratch *s) {
     free(s->positions);
 }
 
-/* Key block `block` of the call: slots, and K transposed for every KV head. */
+/* Key block `block` of the call: rows, and K transposed for every KV head. */
 static void transpose_key_block(const Keys *keys, const float *k_cache, const int64_t *table, int64_t block_size,
                                 int64_t num_kv_heads, int64_t D, int64_t last_position, int64_t block) {
-    int64_t *slots = keys->slots + block * KEY_BLOCK;
+    int64_t *rows = keys->rows + block * KEY_BLOCK;
     for (int i = 0; i < KEY_BLOCK; i++) {
         const int64_t key = keys->key_base + block * KEY_BLOCK + i;
-        slots[i] = key <= last_position ? table[key / block_size] * num_kv_heads * block_size + key % block_size : -1;
+        rows[i] = key <= last_position ? table[key / block_size] * num_kv_heads * block_size + key % block_size : -1;
     }
     for (int64_t kv_head = 0; kv_head < num_kv_heads; kv_head++) {
         float *kt = keys->keys_t + (kv_head * keys->num_blocks + block) * D * KEY_BLOCK;
         for (int i = 0; i < KEY_BLOCK; i++) {
-            const float *k = slots[i] < 0 ? NULL : k_cache + (slots[i] + kv_head * block_size) * D;
+            const float *k = rows[i] < 0 ? NULL : k_cache + (rows[i] + kv_head * block_size) * D;
             for (int64_t d = 0; d < D; d++) kt[d * KEY_BLOCK + i] = k ? k[d] : 0.0f;
         }
     }
@@ -264,7 +264,7 @@ static inline __attribute__((always_inline)) void attend_tile_d(
         const int count = last_position + 1 - t < KEY_BLOCK ? (int)(last_position + 1 - t) : KEY_BLOCK;
         const float *kt = keys->keys_t + (kv_head * keys->num_blocks + block) * D * KEY_BLOCK;
         for (int i = 0; i < count; i++)
-            v_rows[i] = v_cache + (keys->slots[block * KEY_BLOCK + i] + kv_head * block_size) * D;
+            v_rows[i] = v_cache + (keys->rows[block * KEY_BLOCK + i] + kv_head * block_size) * D;
         for (int64_t r0 = 0; r0 < padded_rows; r0 += ROW_BLOCK) {
             const int64_t *positions = s->positions + r0;
             int64_t highest = positions[0];
@@ -357,16 +357,16 @@ int paged_prefill_attention_batch_f32(const float *q, int64_t q_stride, const fl
         total_items += (counts[c] + QUERY_TILE - 1) / QUERY_TILE * num_kv_heads;
     }
     float *keys_t = aligned_alloc(64, sizeof(float) * (total_key_blocks * num_kv_heads * head_dim * KEY_BLOCK + 16));
-    int64_t *slots = malloc(sizeof(int64_t) * (total_key_blocks * KEY_BLOCK + 1));
+    int64_t *key_rows = malloc(sizeof(int64_t) * (total_key_blocks * KEY_BLOCK + 1));
     WorkItem *transposes = malloc(sizeof(WorkItem) * (total_key_blocks + 1));
     WorkItem *items = malloc(sizeof(WorkItem) * (total_items + 1));
-    int status = keys_t && slots && transposes && items ? 0 : -2;
+    int status = keys_t && key_rows && transposes && items ? 0 : -2;
     if (status == 0) {
         int64_t blocks_so_far = 0, item = 0;
         for (int64_t c = 0; c < num_chunks; c++) {
             Chunk *chunk = &chunks[c];
             chunk->keys.keys_t = keys_t + blocks_so_far * num_kv_heads * head_dim * KEY_BLOCK;
-            chunk->keys.slots = slots + blocks_so_far * KEY_BLOCK;
+            chunk->keys.rows = key_rows + blocks_so_far * KEY_BLOCK;
             for (int64_t block = 0; block < chunk->keys.num_blocks; block++)
                 transposes[blocks_so_far + block] = (WorkItem){c, block, 0, 0};
             blocks_so_far += chunk->keys.num_blocks;
@@ -409,7 +409,7 @@ int paged_prefill_attention_batch_f32(const float *q, int64_t q_stride, const fl
     }
     free(chunks);
     free(keys_t);
-    free(slots);
+    free(key_rows);
     free(transposes);
     free(items);
     return status;
