@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from flotilla.engine.model import decode_kernel, prefill_kernel
+from tests.support.kernels import needs_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "loadtest" / "bench_attention_kernels.py"
 
 
-@pytest.mark.skipif(decode_kernel.load() is None or prefill_kernel.load() is None, reason="no C compiler")
+@needs_kernels
 def test_attention_kernel_benchmark_reports_both_paths_for_each_step():
     done = subprocess.run([sys.executable, str(SCRIPT), "--reps", "1", "--threads", "1", "--layouts", "tiny"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)

@@ -6,11 +6,11 @@ import json
 import pytest
 import torch
 
-from flotilla.engine.model import decode_kernel
 from flotilla.engine.model.kv_cache import token_major
 from loadtest import bench_kv_layout
+from tests.support.kernels import needs_kernels
 
-pytestmark = pytest.mark.skipif(decode_kernel.load() is None, reason="no C compiler for the kernels")
+pytestmark = needs_kernels
 
 
 def test_every_block_size_gives_the_same_attention(capsys):

@@ -14,9 +14,10 @@ import torch
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.engine import LLMEngine
 from flotilla.engine.new_request import NewRequest
-from flotilla.engine.model import decode_kernel, load_model, prefill_kernel
+from flotilla.engine.model import load_model
 from flotilla.engine.sampling_params import SamplingParams
 from flotilla.models.toy_tokenizer import toy_tokenizer_json
+from tests.support.kernels import kernels_cannot_build, needs_kernels
 
 from .helpers import VOCAB, PagedDriver, hf_chunked_logits, hf_greedy, hf_greedy_logprobs, hf_logits, random_tokens
 
@@ -24,8 +25,7 @@ ATOL = 1e-4
 KINDS = ["qwen3", "phi3", "phi3_longrope", "qwen3_moe", "mistral", "qwen2_window", "gemma2", "gemma3", "llama_yarn",
          "llama_dynamic"]
 LENGTH_DEPENDENT_ROPE = ["phi3_longrope", "llama_dynamic"]
-NO_KERNEL = pytest.mark.skipif(decode_kernel.load() is None or prefill_kernel.load() is None, reason="no C compiler")
-KERNEL_PATHS = [False, pytest.param(True, marks=NO_KERNEL)]  # the torch path, or the CPU decode and prefill kernels
+KERNEL_PATHS = [False, pytest.param(True, marks=needs_kernels)]  # the torch path, or the CPU decode and prefill kernels
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -47,8 +47,8 @@ def test_chunked_prefill_then_decode_matches_hf(checkpoint_factory, kind, use_ke
 def test_mixed_step_matches_each_sequence_alone(checkpoint_factory, kind):
     ckpt = checkpoint_factory(kind)
     seqs = {name: random_tokens(n, seed=10 + i) for i, (name, n) in enumerate({"a": 11, "b": 6, "c": 33}.items())}
-    driver = PagedDriver(ckpt.model, block_size=4, seed=3, use_decode_kernel=decode_kernel.load() is not None,
-                         use_prefill_kernel=prefill_kernel.load() is not None)
+    driver = PagedDriver(ckpt.model, block_size=4, seed=3, use_decode_kernel=not kernels_cannot_build(),
+                         use_prefill_kernel=not kernels_cannot_build())
     driver.step([("a", seqs["a"], 0, 10), ("b", seqs["b"], 0, 5), ("c", seqs["c"], 0, 7)])
     work = [("a", seqs["a"], 10, 1), ("c", seqs["c"], 7, 26), ("b", seqs["b"], 5, 1)]  # c ends past 32
     logits = driver.step(work)
@@ -62,7 +62,7 @@ def test_greedy_decode_equals_hf_generate(checkpoint_factory, kind):
     ckpt = checkpoint_factory(kind)
     prompt = random_tokens(9, seed=30)
     expected = hf_greedy(ckpt.hf, prompt, 30)
-    driver = PagedDriver(ckpt.model, block_size=4, seed=5, use_decode_kernel=decode_kernel.load() is not None)
+    driver = PagedDriver(ckpt.model, block_size=4, seed=5, use_decode_kernel=not kernels_cannot_build())
     tokens = list(prompt)
     (logits,) = driver.step([("a", tokens, 0, len(tokens))])
     while len(tokens) < len(expected):

@@ -6,8 +6,9 @@ import torch
 from flotilla.engine.model import decode_kernel
 from flotilla.engine.model.attention import AttentionMetadata, SeqChunk, paged_attention
 from flotilla.engine.model.kv_cache import layer_shape, token_major
+from tests.support.kernels import needs_kernels
 
-pytestmark = pytest.mark.skipif(decode_kernel.load() is None, reason="no C compiler for the CPU kernel")
+pytestmark = needs_kernels
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(8, 4, 32), (4, 4, 16), (12, 2, 64), (8, 1, 8)])

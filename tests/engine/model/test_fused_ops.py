@@ -6,16 +6,16 @@ import torch.nn.functional as F
 
 from flotilla.engine.model import fused_ops
 from flotilla.engine.model.rope import apply_rotary
+from tests.support.kernels import needs_kernels
 
 pytestmark = pytest.mark.unit
-needs_kernel = pytest.mark.skipif(fused_ops.load() is None, reason="no C compiler for the CPU kernels")
 
 
 def torch_rms_norm(x, weight, eps):
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-@needs_kernel
+@needs_kernels
 @pytest.mark.parametrize(("rows", "n"), [(1, 8), (7, 257), (300, 768), (3, 1), (1400, 769)])  # the last runs threaded
 def test_rms_norm_and_residual_add_match_torch(rows, n):
     torch.manual_seed(0)
@@ -30,7 +30,7 @@ def test_rms_norm_and_residual_add_match_torch(rows, n):
     torch.testing.assert_close(normed, expected, atol=2e-6, rtol=2e-6)
 
 
-@needs_kernel
+@needs_kernels
 @pytest.mark.parametrize(("rows", "n"), [(1, 5), (9, 704), (130, 2304), (500, 2305)])  # the last runs threaded
 def test_silu_mul_matches_torch(rows, n):
     torch.manual_seed(1)
@@ -40,7 +40,7 @@ def test_silu_mul_matches_torch(rows, n):
     torch.testing.assert_close(fused_ops.silu_mul(gate_up), F.silu(gate) * up, atol=1e-6, rtol=1e-6)
 
 
-@needs_kernel
+@needs_kernels
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "rotary_dim"),
                          [(12, 4, 64, 64), (8, 8, 16, 16), (6, 2, 10, 6), (4, 1, 32, 16)])
 def test_rope_in_place_equals_apply_rotary(heads, kv_heads, head_dim, rotary_dim):
@@ -75,7 +75,7 @@ def test_disabled_kernels_fall_back_to_torch(monkeypatch):
     assert not fused_ops.rope_in_place(torch.randn(2, 48), torch.randn(2, 2, 1, 8), 2, 1, 8)
 
 
-@needs_kernel
+@needs_kernels
 def test_non_contiguous_and_other_dtypes_take_the_torch_path():
     x = torch.randn(6, 16, dtype=torch.float64)
     weight = torch.randn(16, dtype=torch.float64)

@@ -1,15 +1,15 @@
 """The C kernels' build cache is keyed on the CPU they are built for (`-march=native`): a library built on one
 CPU is never loaded on another from a cache directory both share."""
 
-import shutil
+import subprocess
 
 import pytest
 
 from flotilla.engine.model import fused_ops, kernel_build
+from tests.support.kernels import KERNEL_MODULES, needs_kernels
 
 # Builds with the real compiler (a process): not the unit tier.
-pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")]
+pytestmark = [pytest.mark.integration, needs_kernels]
 
 
 def test_this_cpus_identity_names_its_architecture_and_instruction_sets():
@@ -44,3 +44,15 @@ def test_a_library_built_for_another_cpu_is_not_loaded(tmp_path, monkeypatch):
     built = {path: path.stat().st_mtime_ns for path in (tmp_path / "kernels").glob("*.so")}
     assert _fresh_library().load() is not None
     assert {path: path.stat().st_mtime_ns for path in (tmp_path / "kernels").glob("*.so")} == built
+
+
+@pytest.mark.parametrize("module", KERNEL_MODULES, ids=lambda module: module.__name__.rsplit(".", 1)[-1])
+def test_each_kernel_builds_from_source_where_there_is_a_compiler(tmp_path, module):
+    """The kernels' tests skip only where nothing can build them (tests/support/kernels.py); here a kernel that
+    does not build fails, with the compiler's own error."""
+    library = module._library
+    try:
+        library._build(tmp_path / f"{library.source.stem}.so")
+    except subprocess.CalledProcessError as error:
+        pytest.fail(f"{library.source.name} did not build: {error.stderr.decode(errors='replace')[-2000:]}")
+    assert module.load() is not None

@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from flotilla.engine.model import load_model, prefill_kernel
+from flotilla.engine.model import load_model
+from tests.support.kernels import needs_kernels
 
 from .helpers import KINDS, PagedDriver, hf_greedy, hf_logits, random_tokens
 
 ATOL = 1e-4
 # Multi-token chunks through SDPA over gathered blocks, or through the CPU prefill kernel reading them in place.
-PREFILL_PATHS = [False, pytest.param(True, marks=pytest.mark.skipif(prefill_kernel.load() is None,
-                                                                    reason="no C compiler"))]
+PREFILL_PATHS = [False, pytest.param(True, marks=needs_kernels)]
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
