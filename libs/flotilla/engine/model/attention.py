@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -129,18 +130,20 @@ class AttentionMetadata:
         counts = [seq.num_tokens for seq in seqs]
         ends = [start + count for start, count in zip(starts, counts)]
         offsets = _exclusive_cumsum(counts)
-        block_tables = _block_table_tensor(seqs, ends, block_size, device)
-        positions = _positions(starts, counts, offsets, device)
-        seq_of_token = torch.repeat_interleave(  # output_size: no device-to-host sync on a GPU
-            torch.arange(len(seqs), device=device), torch.tensor(counts, device=device), output_size=sum(counts)
-        )
-        slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+        # Per-token indices in numpy on the host, then one copy each to the device: a step's metadata is a few
+        # dozen small arrays, and torch's per-op cost (~5-10 us on a CPU) outweighed the arithmetic.
+        table_rows = _block_table_rows(seqs, ends, block_size)
+        seq_of_token = np.repeat(np.arange(len(seqs)), counts)
+        positions_host = np.arange(len(seq_of_token), dtype=np.int64) + (np.asarray(starts) - offsets)[seq_of_token]
+        slots = table_rows[seq_of_token, positions_host // block_size] * block_size + positions_host % block_size
+        block_tables = _to_device(table_rows, device)
+        positions = _to_device(positions_host, device)
         context_lens = torch.tensor(ends, dtype=torch.int64, device=device)
         decode_ids = [i for i, count in enumerate(counts) if count == 1 and not use_triton]
         decode_rows = None
         decode_groups: tuple[DecodeBatch, ...] = ()
         if use_decode_kernel and decode_ids:
-            decode_rows = _decode_rows(decode_ids, offsets, ends, block_tables, device)
+            decode_rows = _decode_rows(decode_ids, offsets, ends, table_rows, device)
         else:
             group_tokens = max_decode_group_tokens or _default_decode_group_tokens(device)
             decode_groups = tuple(
@@ -160,19 +163,19 @@ class AttentionMetadata:
                 [counts[i] for i in prefill_ids])
         # rope length max(floor, position + 1): floor is the prompt length, or the chunk's end when not given
         floors = [end if seq.num_prompt_tokens is None else seq.num_prompt_tokens for seq, end in zip(seqs, ends)]
-        floor_of_token = torch.tensor(floors, dtype=torch.int64, device=device)[seq_of_token]
+        rope_lens = np.maximum(np.asarray(floors, dtype=np.int64)[seq_of_token], positions_host + 1)
         return cls(
             num_tokens=sum(counts),
             positions=positions,
-            slot_mapping=slot_mapping,
+            slot_mapping=_to_device(slots, device),
             context_lens=context_lens,
             block_tables=block_tables,
             decode_groups=decode_groups,
             decode_rows=decode_rows,
             prefill_batch=prefill_batch,
             prefills=prefills,
-            rope_lens=torch.maximum(floor_of_token, positions + 1),
-            max_rope_len=max(max(floor, end) for floor, end in zip(floors, ends)),
+            rope_lens=_to_device(rope_lens, device),
+            max_rope_len=max(max(floors), max(ends)),
             sliding_window=sliding_window,
             query_start_loc=torch.tensor([*offsets, sum(counts)], dtype=torch.int64).to(device, non_blocking=True)
             if use_triton else None,
@@ -204,21 +207,18 @@ def _exclusive_cumsum(counts: list[int]) -> list[int]:
     return offsets
 
 
-def _block_table_tensor(seqs: Sequence[SeqChunk], ends: list[int], block_size: int, device) -> torch.Tensor:
-    """Only the blocks each context needs; a longer table (blocks reserved ahead) is cut."""
+def _block_table_rows(seqs: Sequence[SeqChunk], ends: list[int], block_size: int) -> np.ndarray:
+    """[num_seqs, W] int64: only the blocks each context needs (a longer table, blocks reserved ahead, is cut),
+    padded with block 0."""
     needed = [-(-end // block_size) for end in ends]
-    width = max(needed)
-    rows = [list(seq.block_ids[:n]) + [0] * (width - n) for seq, n in zip(seqs, needed)]
-    return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+    rows = np.zeros((len(seqs), max(needed)), dtype=np.int64)
+    for row, seq, n in zip(rows, seqs, needed):
+        row[:n] = seq.block_ids[:n]
+    return rows
 
 
-def _positions(starts: list[int], counts: list[int], offsets: list[int], device) -> torch.Tensor:
-    """start_i + (token index - offset_i) for every token, without a Python loop over tokens."""
-    per_token_shift = torch.repeat_interleave(
-        torch.tensor([start - offset for start, offset in zip(starts, offsets)], dtype=torch.int64),
-        torch.tensor(counts),
-    )
-    return (torch.arange(sum(counts), dtype=torch.int64) + per_token_shift).to(device, non_blocking=True)
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(array).to(device, non_blocking=True)
 
 
 CPU_DECODE_GROUP_TOKENS = 4096  # ~4 MB of fp32 K/V per group for a 128-wide KV layer: stays in cache
@@ -241,14 +241,13 @@ def _decode_groups(decode_ids: list[int], ends: list[int], max_group_tokens: int
     return groups + [current] if current else groups
 
 
-def _decode_rows(decode_ids: list[int], offsets, ends, block_tables, device) -> DecodeRows:
+def _decode_rows(decode_ids: list[int], offsets, ends, table_rows: np.ndarray, device) -> DecodeRows:
     rows = [offsets[i] for i in decode_ids]
     contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-    ids = torch.tensor(decode_ids, dtype=torch.int64, device=device)
     return DecodeRows(
         token_indices=torch.tensor(rows, dtype=torch.int64, device=device),
         token_slice=slice(rows[0], rows[0] + len(rows)) if contiguous else None,
-        block_tables=block_tables[ids].contiguous(),
+        block_tables=_to_device(table_rows[decode_ids], device),
         context_lens=torch.tensor([ends[i] for i in decode_ids], dtype=torch.int64, device=device),
     )
 
