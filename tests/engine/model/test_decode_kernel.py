@@ -72,6 +72,26 @@ def test_kernel_reads_only_the_context():
     torch.testing.assert_close(out, torch.ones(1, 1, 4))
 
 
+
+@pytest.mark.parametrize("num_seqs", [1, 5])
+def test_kernel_reads_queries_in_place_from_the_fused_qkv_rows(num_seqs):
+    """q as the layer hands it over, a slice of each row of the fused qkv output (rows further apart than one
+    query's heads): the same output, bit for bit, as from a contiguous copy."""
+    torch.manual_seed(4)
+    num_heads, num_kv_heads, head_dim, block_size = 6, 2, 32, 8
+    kv_cache = torch.randn(layer_shape(16, block_size, num_kv_heads, head_dim))
+    qkv = torch.randn(num_seqs, (num_heads + 2 * num_kv_heads) * head_dim)
+    q = qkv[:, : num_heads * head_dim].view(num_seqs, num_heads, head_dim)
+    assert not q.is_contiguous() or num_seqs == 1
+    tables = torch.randperm(16)[: num_seqs * 3].view(num_seqs, 3).contiguous()
+    lens = torch.tensor([24 - i for i in range(num_seqs)])
+    in_place = decode_kernel.paged_decode_attention(q, kv_cache, tables, lens)
+    assert torch.equal(in_place, decode_kernel.paged_decode_attention(q.contiguous(), kv_cache, tables, lens))
+    # A view whose heads are not side by side is copied first, not misread.
+    transposed = torch.randn(num_seqs, head_dim, num_heads).transpose(1, 2)
+    assert torch.equal(decode_kernel.paged_decode_attention(transposed, kv_cache, tables, lens),
+                       decode_kernel.paged_decode_attention(transposed.contiguous(), kv_cache, tables, lens))
+
 def _reference(q, kv_cache, tables, lens, scale, window, softcap):
     """Decode attention in float64 straight from the definition: each sequence's keys gathered through its table."""
     kv_cache = token_major(kv_cache)

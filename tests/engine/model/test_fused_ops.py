@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from flotilla.engine.model import fused_ops
+from flotilla.engine.model.kv_cache import cache_rows, layer_shape
 from flotilla.engine.model.rope import apply_rotary
 from tests.support.kernels import needs_kernels
 
@@ -60,6 +61,37 @@ def test_rope_in_place_equals_apply_rotary(heads, kv_heads, head_dim, rotary_dim
     assert torch.equal(k.reshape(rows, kv_heads, head_dim), expected_k)
     assert torch.equal(v, expected_v)
 
+
+
+@needs_kernels
+@pytest.mark.parametrize(("num_tokens", "heads", "kv_heads", "head_dim"),
+                         [(1, 8, 2, 16), (64, 12, 4, 64), (37, 6, 3, 24), (4200, 8, 4, 64)])  # the last runs threaded
+def test_write_rows_puts_each_new_key_where_index_copy_does(num_tokens, heads, kv_heads, head_dim):
+    """K read in place from the fused qkv rows into the cache rows of kv_cache.cache_rows: the cache afterwards
+    equals index_copy_'s from a contiguous copy, everything else untouched."""
+    torch.manual_seed(5)
+    block_size = 16
+    num_blocks = -(-num_tokens // block_size) * 2 + 1
+    cache = torch.randn(layer_shape(num_blocks, block_size, kv_heads, head_dim))[0]
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim)
+    k = qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].view(num_tokens, kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    rows = cache_rows(slots, torch.empty(layer_shape(num_blocks, block_size, kv_heads, head_dim)))
+    expected = cache.clone()
+    expected.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim))
+    assert fused_ops.write_rows(cache, rows, k)
+    assert torch.equal(cache, expected)
+
+
+@needs_kernels
+def test_write_rows_refuses_a_row_outside_the_cache_and_writes_nothing():
+    cache = torch.zeros(layer_shape(2, 4, 2, 8))[0]
+    values = torch.ones(3, 2, 8)
+    rows = torch.tensor([0, 1, 2, 3, 4, cache.numel() // 8])  # the last is one past the end
+    with pytest.raises(IndexError):
+        fused_ops.write_rows(cache, rows, values)
+    assert not cache.any()
+    assert not fused_ops.write_rows(cache.half(), rows[:-1], values)  # not float32: the caller's index_copy_
 
 def test_disabled_kernels_fall_back_to_torch(monkeypatch):
     """FLOTILLA_DISABLE_KERNELS (or no compiler): the torch ops, the residual sum a new tensor."""

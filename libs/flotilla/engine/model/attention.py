@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from flotilla.engine.model import decode_kernel, prefill_kernel
+from flotilla.engine.model import decode_kernel, fused_ops, prefill_kernel
 from flotilla.engine.model.kv_cache import cache_rows, layer_dims
 
 
@@ -349,7 +349,10 @@ def paged_attention(
 
 def _write_rows(cache: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
     """New K (or V) [T, H_kv, D] into their rows of one of K or V ([num_blocks, H_kv, block_size, D]), cast to the
-    cache's type; fp8 caches are written as bytes (index_copy_ has no fp8)."""
+    cache's type; fp8 caches are written as bytes (index_copy_ has no fp8). A float32 cache on a CPU: a C loop
+    that reads the new K/V in place (fused_ops.write_rows)."""
+    if fused_ops.write_rows(cache, rows, values):
+        return
     head_dim = cache.shape[-1]
     values = values.reshape(-1, head_dim).to(cache.dtype)
     if cache.element_size() == 1:

@@ -17,7 +17,8 @@ SOURCE = CSRC / "paged_decode_attention.c"
 
 def _declare(library: ctypes.CDLL) -> None:
     library.paged_decode_attention_f32.restype = ctypes.c_int
-    library.paged_decode_attention_f32.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7 + [
+    library.paged_decode_attention_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [
+        ctypes.c_int64] * 7 + [
         ctypes.c_float,  # scale
         ctypes.c_int64,  # window
         ctypes.c_float,  # softcap
@@ -48,17 +49,19 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] -> [B, H, D]; kv_cache [2, num_blocks, H_kv, block_size, D]; block_tables [B, W] int64.
+    q is read in place when each row's heads are contiguous (a slice of the fused qkv output), else copied.
     scale: of q.k (None: D ** -0.5); window: attend to the last `window` keys only; softcap: tanh soft-cap.
     out: a contiguous [B, H, D] float32 tensor to write into (the layer's output rows: no copy afterwards)."""
-    q = q.contiguous()
+    if q.stride(-1) != 1 or q.stride(-2) != q.shape[-1] or q.stride(0) < q.shape[1] * q.shape[2]:
+        q = q.contiguous()
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     elif out.shape != q.shape or not out.is_contiguous() or out.dtype != q.dtype:
         raise ValueError(f"out must be a contiguous {tuple(q.shape)} {q.dtype} tensor, got {tuple(out.shape)}")
     num_blocks, num_kv_heads, block_size, head_dim = layer_dims(kv_cache)
     status = load().paged_decode_attention_f32(
-        q.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(),
-        q.shape[0], q.shape[1], num_kv_heads, head_dim, num_blocks, block_size, block_tables.shape[1],
+        q.data_ptr(), q.stride(0), kv_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
+        out.data_ptr(), q.shape[0], q.shape[1], num_kv_heads, head_dim, num_blocks, block_size, block_tables.shape[1],
         head_dim ** -0.5 if scale is None else scale, window or 0, softcap or 0.0, torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:

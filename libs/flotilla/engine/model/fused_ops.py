@@ -1,5 +1,5 @@
 """A Llama layer's element-wise work in one C pass each on the CPU (csrc/fused_elementwise.c): residual add +
-RMSNorm, SiLU(gate) * up, and RoPE on q and k in place. Each function falls back to the torch ops it replaces
+RMSNorm, SiLU(gate) * up, RoPE on q and k in place, and the new K/V written into the cache. Each function falls back to the torch ops it replaces
 where the kernel does not apply (not a contiguous float32 CPU tensor) or cannot be built (kernel_build.py)."""
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.silu_mul_f32.argtypes = [_ptr, _ptr, _i64, _i64, _int]
     library.rope_neox_f32.restype = None
     library.rope_neox_f32.argtypes = [_ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _int]
+    library.write_rows_f32.restype = _int
+    library.write_rows_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _int]
 
 
 _library = KernelLibrary("fused_elementwise.c", CFLAGS, _declare)
@@ -95,4 +97,26 @@ def rope_in_place(qkv: torch.Tensor, cos_sin: torch.Tensor, num_heads: int, num_
         return False
     library.rope_neox_f32(qkv.data_ptr(), cos_sin.data_ptr(), qkv.shape[0], qkv.shape[1], num_heads, num_kv_heads,
                           head_dim, rotary_dim, torch.get_num_threads())
+    return True
+
+
+def write_rows(cache: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> bool:
+    """values [T, H_kv, D] into rows `rows` [T * H_kv] (kv_cache.cache_rows) of `cache` (one layer's K or V) viewed
+    as [-1, D], as `cache.view(-1, D).index_copy_(0, rows, values.reshape(-1, D))` does, reading values in place
+    when each token's heads are contiguous (a slice of the fused qkv output). False (nothing done): the kernel does
+    not apply. IndexError: a row outside the cache (nothing written)."""
+    library = load()
+    if (library is None or not _fits(cache) or values.dim() != 3 or values.dtype != torch.float32
+            or values.device.type != "cpu" or rows.device.type != "cpu" or rows.dtype != torch.int64
+            or not rows.is_contiguous()):
+        return False
+    num_tokens, num_kv_heads, head_dim = values.shape
+    if (values.stride(-1) != 1 or values.stride(-2) != head_dim or cache.shape[-1] != head_dim
+            or rows.numel() != num_tokens * num_kv_heads):
+        return False
+    status = library.write_rows_f32(values.data_ptr(), values.stride(0), rows.data_ptr(), cache.data_ptr(),
+                                    cache.numel() // head_dim, num_tokens, num_kv_heads, head_dim,
+                                    torch.get_num_threads())
+    if status != 0:
+        raise IndexError(f"a K/V row outside the cache's {cache.numel() // head_dim} rows")
     return True

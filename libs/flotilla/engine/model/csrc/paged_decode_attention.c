@@ -4,8 +4,10 @@
  * memory traffic is what bounds decode on a CPU (the torch path gathers whole blocks first and then
  * reads the copy again).
  *
- * Layouts (float32, contiguous):
- *   q            [B, H, D]                      out  [B, H, D]
+ * Layouts (float32):
+ *   q            [B, H, D], sequence b's heads at q + b * q_stride (a slice of the layer's fused qkv output, read
+ *                in place: copying it out cost ~70 us a layer on small's 64 rows)
+ *   out          [B, H, D], contiguous
  *   kv (a layer) [2, num_blocks, KVH, block_size, D]: head-major inside a block, so one KV head's keys of a block
  *                are one contiguous run of block_size * D floats, read in order (kv_cache.py: 1.4x the
  *                token-major layout with 128-token blocks)
@@ -264,7 +266,7 @@ static float *scores_at_least(float *scores, int64_t *capacity, int64_t needed) 
     return scores;
 }
 
-int paged_decode_attention_f32(const float *q, const float *kv, const int64_t *block_tables,
+int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *kv, const int64_t *block_tables,
                                const int64_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,
                                int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
                                int64_t table_width, float scale, int64_t window, float softcap, int num_threads) {
@@ -286,7 +288,7 @@ int paged_decode_attention_f32(const float *q, const float *kv, const int64_t *b
                 continue;
             }
             const int64_t row = b * num_heads * head_dim;
-            attend_sequence(q + row, k_cache, v_cache, block_tables + b * table_width, first, context_lens[b],
+            attend_sequence(q + b * q_stride, k_cache, v_cache, block_tables + b * table_width, first, context_lens[b],
                             block_size, num_heads, num_kv_heads, head_dim, scale, softcap, scores, out + row);
         }
         free(scores);
