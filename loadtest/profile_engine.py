@@ -1,7 +1,8 @@
 """Where an engine step's time goes: torch.profiler over a prefill-heavy and a decode-heavy step of the bench
 workload's shapes, each op's self time put in one of matmul / attention / element-wise / other, and the rest
 of the step's wall time (Python: scheduler, metadata, sampling, module calls) as overhead. The C kernels (ctypes
-calls) are labelled: fused_ops::* counts as element-wise, decode_kernel::* as attention. Prints one JSON object.
+calls) are labelled: fused_ops::* counts as element-wise (its K/V cache writes, write_rows, as attention),
+decode_kernel::* and prefill_kernel::* as attention. Prints one JSON object.
 
     python loadtest/profile_engine.py --size small --steps 3
 """
@@ -36,7 +37,7 @@ from loadtest.common.checkpoint_cache import default_cache_dir, ensure_checkpoin
 
 MATMUL = ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "mkldnn::_linear_pointwise")
 ATTENTION = ("sdpa", "scaled_dot_product", "flash_attention", "index_select", "index_copy", "index_put",
-             "decode_kernel", "prefill_kernel", "_softmax")
+             "decode_kernel", "prefill_kernel", "_softmax", "write_rows")  # write_rows: the K/V cache writes
 OTHER = ("aten::argmax", "aten::embedding", "aten::index", "aten::sort", "aten::max", "aten::sum",
          "aten::tensor", "aten::to", "aten::copy_", "aten::_to_copy", "aten::lift_fresh", "aten::empty")
 
@@ -45,10 +46,10 @@ def category(name: str) -> str:
     lowered = name.lower()
     if name in MATMUL:
         return "matmul"
-    if name.startswith("fused_ops::"):
-        return "elementwise"
     if any(key in lowered for key in ATTENTION):
         return "attention"
+    if name.startswith("fused_ops::"):
+        return "elementwise"
     if name.startswith("aten::") and name not in OTHER:
         return "elementwise"
     return "other"
@@ -70,7 +71,8 @@ def _label_kernels() -> None:
                                                                 "paged_prefill_attention_batch")
                                               if hasattr(prefill_kernel, name))))
     if fused_ops is not None:
-        kernels.append((fused_ops, ("rms_norm", "add_rms_norm", "silu_mul", "rope_in_place")))
+        kernels.append((fused_ops, tuple(name for name in ("rms_norm", "add_rms_norm", "silu_mul", "rope_in_place",
+                                                           "write_rows") if hasattr(fused_ops, name))))
     for module, names in kernels:
         for name in names:
             setattr(module, name, _labelled(f"{module.__name__.rsplit('.', 1)[-1]}::{name}", getattr(module, name)))
