@@ -23,7 +23,8 @@ def kernels_cannot_build() -> bool:
     return False
 
 
-needs_kernels = pytest.mark.skipif(kernels_cannot_build(), reason="no C compiler for the CPU kernels")
+needs_kernels = pytest.mark.skipif(kernels_cannot_build(),
+                                   reason="no C compiler for the CPU kernels, or FLOTILLA_DISABLE_KERNELS set")
 
 
 if not kernels_cannot_build():

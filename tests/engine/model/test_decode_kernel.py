@@ -72,6 +72,12 @@ def test_kernel_reads_only_the_context():
     torch.testing.assert_close(out, torch.ones(1, 1, 4))
 
 
+def test_kernel_refuses_queries_that_are_not_float32():
+    kv_cache = torch.zeros(layer_shape(4, 2, 1, 4))
+    with pytest.raises(ValueError, match="float32"):
+        decode_kernel.paged_decode_attention(torch.ones(1, 1, 4, dtype=torch.float16), kv_cache,
+                                             torch.tensor([[2, 3]]), torch.tensor([1]))
+
 
 @pytest.mark.parametrize("num_seqs", [1, 5])
 def test_kernel_reads_queries_in_place_from_the_fused_qkv_rows(num_seqs):
@@ -91,6 +97,7 @@ def test_kernel_reads_queries_in_place_from_the_fused_qkv_rows(num_seqs):
     transposed = torch.randn(num_seqs, head_dim, num_heads).transpose(1, 2)
     assert torch.equal(decode_kernel.paged_decode_attention(transposed, kv_cache, tables, lens),
                        decode_kernel.paged_decode_attention(transposed.contiguous(), kv_cache, tables, lens))
+
 
 def _reference(q, kv_cache, tables, lens, scale, window, softcap):
     """Decode attention in float64 straight from the definition: each sequence's keys gathered through its table."""

@@ -12,6 +12,16 @@ from tests.support.kernels import needs_kernels
 pytestmark = pytest.mark.unit
 
 
+@pytest.fixture(autouse=True)
+def two_threads():
+    """The suite runs torch on one thread (tests/conftest.py); the kernels' threaded passes (1M elements and up)
+    need two to run threaded."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)
+
+
 def torch_rms_norm(x, weight, eps):
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
@@ -62,7 +72,6 @@ def test_rope_in_place_equals_apply_rotary(heads, kv_heads, head_dim, rotary_dim
     assert torch.equal(v, expected_v)
 
 
-
 @needs_kernels
 @pytest.mark.parametrize(("num_tokens", "heads", "kv_heads", "head_dim"),
                          [(1, 8, 2, 16), (64, 12, 4, 64), (37, 6, 3, 24), (4200, 8, 4, 64)])  # the last runs threaded
@@ -91,7 +100,11 @@ def test_write_rows_refuses_a_row_outside_the_cache_and_writes_nothing():
     with pytest.raises(IndexError):
         fused_ops.write_rows(cache, rows, values)
     assert not cache.any()
-    assert not fused_ops.write_rows(cache.half(), rows[:-1], values)  # not float32: the caller's index_copy_
+    in_range = torch.arange(6)
+    assert not fused_ops.write_rows(cache.half(), in_range, values)  # not float32: the caller's index_copy_
+    assert not fused_ops.write_rows(cache, in_range.int(), values)  # int32 rows: likewise
+    assert fused_ops.write_rows(cache, in_range, values) and cache.view(-1, 8)[:6].eq(1).all()
+
 
 def test_disabled_kernels_fall_back_to_torch(monkeypatch):
     """FLOTILLA_DISABLE_KERNELS (or no compiler): the torch ops, the residual sum a new tensor."""

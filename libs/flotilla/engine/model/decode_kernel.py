@@ -52,6 +52,8 @@ def paged_decode_attention(
     q is read in place when each row's heads are contiguous (a slice of the fused qkv output), else copied.
     scale: of q.k (None: D ** -0.5); window: attend to the last `window` keys only; softcap: tanh soft-cap.
     out: a contiguous [B, H, D] float32 tensor to write into (the layer's output rows: no copy afterwards)."""
+    if q.dtype != torch.float32 or kv_cache.dtype != torch.float32:  # the C code reads and writes float32
+        raise ValueError(f"the decode kernel takes float32 queries and K/V, got {q.dtype} and {kv_cache.dtype}")
     if q.stride(-1) != 1 or q.stride(-2) != q.shape[-1] or q.stride(0) < q.shape[1] * q.shape[2]:
         q = q.contiguous()
     if out is None:

@@ -1,6 +1,8 @@
 """A Llama layer's element-wise work in one C pass each on the CPU (csrc/fused_elementwise.c): residual add +
-RMSNorm, SiLU(gate) * up, RoPE on q and k in place, and the new K/V written into the cache. Each function falls back to the torch ops it replaces
-where the kernel does not apply (not a contiguous float32 CPU tensor) or cannot be built (kernel_build.py)."""
+RMSNorm, SiLU(gate) * up, RoPE on q and k in place, and the new K/V written into the cache. Where the kernel does
+not apply (not a contiguous float32 CPU tensor) or cannot be built (kernel_build.py), rms_norm, add_rms_norm and
+silu_mul fall back to the torch ops they replace; rope_in_place and write_rows return False and leave that to
+their caller."""
 
 from __future__ import annotations
 
