@@ -53,6 +53,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-dir", help="reuse this checkpoint instead of the cached random one")
     p.add_argument("--cache-dir", type=Path, default=None, help="where random checkpoints are kept")
     p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--waves", type=int, default=1, metavar="N",
+                   help="N waves of --num-requests fresh requests, one after another in the same engine and vLLM "
+                        "process; rates are over all of them (a longer, steadier measurement than one wave; the "
+                        "first wave is the workload of --waves 1; transformers times the first wave only)")
     p.add_argument("--prompt-len", type=int, nargs=2, default=(64, 512), metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"))
     p.add_argument("--seed", type=int, default=0)
@@ -83,7 +87,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for name in ("num_requests", "transformers_batch_size", "wave_size", "gemm_size", "gemm_reps"):
+    for name in ("num_requests", "waves", "transformers_batch_size", "wave_size", "gemm_size", "gemm_reps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("threads", "transformers_sample", "memory_check"):
@@ -114,17 +118,22 @@ def forced(max_tokens: list[int]) -> list[SamplingParams]:
     return [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
 
 
-def run_engine(engine: LLMEngine, workload: Workload) -> tuple[Throughput, int]:
-    """All requests submitted at once, greedy, run to completion. Returns the rate and the preemptions."""
-    started = time.perf_counter()
-    results = engine.generate(workload.prompts, forced(workload.max_tokens))
-    seconds = time.perf_counter() - started
-    produced = [len(r.token_ids) for r in results]
-    if produced != workload.max_tokens:
-        raise RuntimeError("the engine produced other lengths than the forced ones")
+def run_engine(engine: LLMEngine, waves: list[Workload]) -> tuple[Throughput, int]:
+    """Each wave's requests submitted at once, greedy, run to completion, then the next wave. Returns the rate
+    over all waves and the preemptions."""
+    wave_seconds = []
+    for wave in waves:
+        started = time.perf_counter()
+        results = engine.generate(wave.prompts, forced(wave.max_tokens))
+        wave_seconds.append(time.perf_counter() - started)
+        if [len(r.token_ids) for r in results] != wave.max_tokens:
+            raise RuntimeError("the engine produced other lengths than the forced ones")
     num_preemptions = engine.stats().num_preemptions
     note = f"{num_preemptions} preemptions"
-    return Throughput("engine", sum(produced), seconds, workload.num_requests, note), num_preemptions
+    if len(waves) > 1:
+        note += "; waves " + ", ".join(f"{seconds:.2f}" for seconds in wave_seconds) + " s"
+    return (Throughput("engine", sum(w.num_output_tokens for w in waves), sum(wave_seconds),
+                       sum(w.num_requests for w in waves), note), num_preemptions)
 
 
 # ---- transformers ----------------------------------------------------------------------------------------
@@ -213,19 +222,22 @@ class ThroughputRun(NamedTuple):
 
 
 def run_throughput(args: argparse.Namespace, model_dir: str, device: torch.device) -> ThroughputRun:
-    workload, pad_id = workload_for(model_dir, args.num_requests, args.prompt_len, args.output_len, args.seed)
+    workload, pad_id = workload_for(model_dir, args.num_requests * args.waves, args.prompt_len, args.output_len,
+                                    args.seed)
+    waves = [workload.subset(list(range(start, start + args.num_requests)))
+             for start in range(0, workload.num_requests, args.num_requests)]
     num_parameters = count_parameters(Path(model_dir))
     say(f"model {model_dir} ({num_parameters:,} params), device {device}, {torch.get_num_threads()} threads, "
         f"{workload.num_requests} requests, {workload.num_prompt_tokens} prompt + "
         f"{workload.num_output_tokens} output tokens")
     gflops = measure_gemm_gflops(device, args.gemm_size, args.gemm_reps)
-    engine = build_engine(model_dir, args, blocks_needed(workload, args.block_size) + 8)
+    engine = build_engine(model_dir, args, max(blocks_needed(wave, args.block_size) for wave in waves) + 8)
     engine.generate([workload.prompts[0][:8]], forced([2]))  # warm-up
-    engine_result, num_preemptions = run_engine(engine, workload)
+    engine_result, num_preemptions = run_engine(engine, waves)
     del engine  # free its KV pool before the next system loads
     gc.collect()
     say(describe(engine_result, "engine"))
-    single, batched = run_transformers(args, model_dir, device, workload, pad_id)
+    single, batched = run_transformers(args, model_dir, device, waves[0], pad_id)
     say(describe(single, "transformers-1"))
     say(describe(batched, f"transformers-{args.transformers_batch_size}"))
     vllm, vllm_skipped = _maybe_vllm(args, model_dir, workload)
@@ -244,13 +256,14 @@ def summarize_throughput(args: argparse.Namespace, model_dir: str, run: Throughp
         "size": None if args.model_dir else args.size,
         "model_dir": model_dir,
         "num_requests": run.workload.num_requests,
+        "waves": args.waves,
         "prompt_tokens": run.workload.num_prompt_tokens,
         "output_tokens": run.workload.num_output_tokens,
         "engine_tok_s": _rounded(run.engine.tok_s, 2),
         "engine_preemptions": run.num_preemptions,
         "transformers_1_tok_s": _rounded(single.tok_s if single else None, 2),
         "transformers_1_requests_timed": single.num_requests_timed if single else None,
-        "transformers_1_is_sample": bool(single and single.num_requests_timed < run.workload.num_requests),
+        "transformers_1_is_sample": bool(single and single.num_requests_timed < args.num_requests),
         "transformers_batch_size": args.transformers_batch_size,
         "transformers_batch_tok_s": _rounded(batched.tok_s if batched else None, 2),
         "vllm_tok_s": _rounded(vllm.tok_s if vllm else None, 2),
@@ -270,7 +283,7 @@ def _maybe_vllm(args: argparse.Namespace, model_dir: str, workload: Workload) ->
     if not args.compare_vllm:
         return None, "not requested (--compare-vllm PYTHON)"
     outcome = run_vllm(args.compare_vllm, model_dir, workload, torch.get_num_threads(), args.vllm_kvcache_gib,
-                       args.vllm_timeout)
+                       args.vllm_timeout, wave_size=args.num_requests)
     return outcome.throughput, outcome.skipped_reason
 
 

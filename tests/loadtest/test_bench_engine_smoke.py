@@ -97,3 +97,30 @@ def test_memory_check_reports_rss_per_wave(model_dir):
     assert isinstance(summary["grew_over_5pct"], bool) and isinstance(summary["grew_over_5pct_second_half"], bool)
     assert summary["rss_growth_second_half"] == round(summary["rss_kib"][-1] / summary["rss_kib"][1] - 1, 4)
     assert stdout.count("RSS") >= 3
+
+
+def test_waves_run_one_after_another_through_engine_and_vllm(model_dir, tmp_path):
+    """--waves 2: twice the requests, in two waves timed back to back by both systems, rates over both."""
+    fake = tmp_path / "fake_site"
+    (fake / "vllm").mkdir(parents=True)
+    (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")])}
+    common = [*TINY, "--model-dir", model_dir, "--skip-transformers-single", "--skip-transformers-batch",
+              "--compare-vllm", sys.executable]
+    one, _ = _run(common, env)
+    two, stdout = _run([*common, "--waves", "2"], env)
+    assert (one["waves"], two["waves"]) == (1, 2) and two["num_requests"] == 8
+    assert two["output_tokens"] > one["output_tokens"] and two["prompt_tokens"] > one["prompt_tokens"]
+    assert two["vllm_tok_s"] > 0 and two["engine_over_vllm"] is not None
+    assert stdout.count("; waves ") == 2  # the engine's and vLLM's per-wave seconds
+
+
+def test_the_first_wave_is_the_one_wave_workload():
+    """--waves N draws N x --num-requests requests from the same seed: its first wave is --waves 1's workload."""
+    from loadtest.common.engine_workload import LengthRange, make_workload
+
+    def draw(num_requests):
+        return make_workload(num_requests, 100, {0}, LengthRange(8, 16), LengthRange(3, 6), seed=7)
+
+    first_wave = draw(12).subset(list(range(4)))
+    assert first_wave == draw(4)
