@@ -37,7 +37,7 @@ from loadtest.common.checkpoint_cache import count_parameters, default_cache_dir
 from loadtest.common.compute_floor import ComputeFloor, measure_gemm_gflops
 from loadtest.common.engine_workload import LengthRange, Workload, evenly_spaced, make_workload
 from loadtest.common.rss import read_rss_kib
-from loadtest.common.throughput import Throughput, ratio
+from loadtest.common.throughput import Throughput, ratio, wave_seconds_note
 from loadtest.common.vllm_baseline import run_vllm
 
 PARAMS_COUNTED = (
@@ -129,9 +129,7 @@ def run_engine(engine: LLMEngine, waves: list[Workload]) -> tuple[Throughput, in
         if [len(r.token_ids) for r in results] != wave.max_tokens:
             raise RuntimeError("the engine produced other lengths than the forced ones")
     num_preemptions = engine.stats().num_preemptions
-    note = f"{num_preemptions} preemptions"
-    if len(waves) > 1:
-        note += "; waves " + ", ".join(f"{seconds:.2f}" for seconds in wave_seconds) + " s"
+    note = f"{num_preemptions} preemptions" + wave_seconds_note(wave_seconds)
     return (Throughput("engine", sum(w.num_output_tokens for w in waves), sum(wave_seconds),
                        sum(w.num_requests for w in waves), note), num_preemptions)
 
@@ -224,8 +222,7 @@ class ThroughputRun(NamedTuple):
 def run_throughput(args: argparse.Namespace, model_dir: str, device: torch.device) -> ThroughputRun:
     workload, pad_id = workload_for(model_dir, args.num_requests * args.waves, args.prompt_len, args.output_len,
                                     args.seed)
-    waves = [workload.subset(list(range(start, start + args.num_requests)))
-             for start in range(0, workload.num_requests, args.num_requests)]
+    waves = workload.waves(args.num_requests)
     num_parameters = count_parameters(Path(model_dir))
     say(f"model {model_dir} ({num_parameters:,} params), device {device}, {torch.get_num_threads()} threads, "
         f"{workload.num_requests} requests, {workload.num_prompt_tokens} prompt + "
@@ -291,21 +288,20 @@ def run_memory_check(args: argparse.Namespace, model_dir: str, device: torch.dev
     """Short requests (16-64 prompt, 8-16 output tokens) in waves through one engine. The KV pool is sized
     to one wave, so the first wave touches all of it and later growth cannot be the pool filling up."""
     workload, _ = workload_for(model_dir, args.memory_check, (16, 64), (8, 16), args.seed)
-    waves = [list(range(i, min(i + args.wave_size, workload.num_requests)))
-             for i in range(0, workload.num_requests, args.wave_size)]
-    num_blocks = max(blocks_needed(workload.subset(w), args.block_size) for w in waves)
+    waves = workload.waves(args.wave_size)
+    num_blocks = max(blocks_needed(wave, args.block_size) for wave in waves)
     engine = build_engine(model_dir, args, num_blocks)
     say(f"memory check: {workload.num_requests} requests in {len(waves)} waves of up to {args.wave_size}, "
         f"KV pool {num_blocks} blocks, device {device}")
-    rss_kib = []
+    rss_kib, num_served = [], 0
     for number, wave in enumerate(waves, 1):
-        part = workload.subset(wave)
-        engine.generate(part.prompts, forced(part.max_tokens))
+        engine.generate(wave.prompts, forced(wave.max_tokens))
+        num_served += wave.num_requests
         gc.collect()  # count only memory still reachable, not garbage awaiting the cycle collector
         rss_kib.append(read_rss_kib())
-        say(f"wave {number:>3}: {wave[-1] + 1:>6} requests served, RSS {rss_kib[-1] / 1024:.1f} MiB")
+        say(f"wave {number:>3}: {num_served:>6} requests served, RSS {rss_kib[-1] / 1024:.1f} MiB")
     growth = rss_kib[-1] / rss_kib[0] - 1.0
-    num_after_first = workload.num_requests - len(waves[0])
+    num_after_first = workload.num_requests - waves[0].num_requests
     bytes_per_request = (rss_kib[-1] - rss_kib[0]) * 1024 / num_after_first if num_after_first else 0.0
     stats = engine.stats()
     all_free = engine.check_integrity() and stats.num_free_blocks == stats.num_total_blocks

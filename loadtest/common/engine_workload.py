@@ -27,6 +27,11 @@ class Workload:
     def subset(self, indices: list[int]) -> Workload:
         return Workload([self.prompts[i] for i in indices], [self.max_tokens[i] for i in indices])
 
+    def waves(self, size: int) -> list[Workload]:
+        """Consecutive waves of `size` requests, in order (the last may be shorter)."""
+        return [self.subset(list(range(start, min(start + size, self.num_requests))))
+                for start in range(0, self.num_requests, size)]
+
 
 @dataclass(frozen=True)
 class LengthRange:

@@ -17,6 +17,13 @@ class Throughput(NamedTuple):
         return self.num_output_tokens / self.seconds if self.seconds > 0 else float("inf")
 
 
+def wave_seconds_note(wave_seconds: list[float]) -> str:
+    """"; waves 2.31, 2.40 s" for a note when a system ran more than one wave, else ""."""
+    if len(wave_seconds) < 2:
+        return ""
+    return "; waves " + ", ".join(f"{seconds:.2f}" for seconds in wave_seconds) + " s"
+
+
 def ratio(numerator: Throughput | None, denominator: Throughput | None) -> float | None:
     if numerator is None or denominator is None or denominator.tok_s == 0:
         return None

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from loadtest.common.engine_workload import Workload
-from loadtest.common.throughput import Throughput
+from loadtest.common.throughput import Throughput, wave_seconds_note
 
 # Runs under vLLM's interpreter: argv[1] is a JSON file with model_dir, prompts, max_tokens.
 VLLM_SCRIPT = '''
@@ -95,8 +95,6 @@ def _parse(done: subprocess.CompletedProcess[str], workload: Workload) -> VllmOu
     result = json.loads(lines[-1])
     if result["produced"] != workload.max_tokens:
         return VllmOutcome(None, "vLLM produced other lengths than the forced ones")
-    note = f"vllm {result['vllm_version']}"
-    if len(result.get("wave_seconds", [])) > 1:
-        note += "; waves " + ", ".join(f"{seconds:.2f}" for seconds in result["wave_seconds"]) + " s"
+    note = f"vllm {result['vllm_version']}" + wave_seconds_note(result.get("wave_seconds", []))
     return VllmOutcome(Throughput("vllm-cpu", sum(result["produced"]), result["seconds"],
                                   workload.num_requests, note), None)
