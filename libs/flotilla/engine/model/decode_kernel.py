@@ -17,8 +17,10 @@ SOURCE = CSRC / "paged_decode_attention.c"
 
 def _declare(library: ctypes.CDLL) -> None:
     library.paged_decode_attention_f32.restype = ctypes.c_int
-    library.paged_decode_attention_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [
-        ctypes.c_int64] * 7 + [
+    library.paged_decode_attention_f32.argtypes = [
+        ctypes.c_void_p, ctypes.c_int64,  # q and its row stride
+        *[ctypes.c_void_p] * 4,  # kv, block tables, context lengths, out
+        *[ctypes.c_int64] * 7,  # sequences, heads, KV heads, head size, blocks, block size, table width
         ctypes.c_float,  # scale
         ctypes.c_int64,  # window
         ctypes.c_float,  # softcap

@@ -110,7 +110,8 @@ void rope_neox_f32(float *qkv, const float *cos_sin, int64_t rows, int64_t row_s
 /* A step's new K (or V) into the KV cache: token i's KV head h (head_dim floats at src + i * src_stride + h *
  * head_dim, a slice of the fused qkv output) goes to row rows[i * num_kv_heads + h] of the cache viewed as
  * [num_rows, head_dim] (kv_cache.cache_rows). torch's index_copy_ needed the slice copied out first: ~120 us a
- * layer for a 64-token decode step against ~60 for this loop. Returns -1, having written nothing, when a row is out of range. */
+ * layer for a 64-token decode step against ~60 for this loop. Returns -1, having written nothing, when a row is
+ * out of range. */
 int write_rows_f32(const float *src, int64_t src_stride, const int64_t *rows, float *cache, int64_t num_rows,
                    int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int num_threads) {
     const int64_t num_writes = num_tokens * num_kv_heads;

@@ -287,9 +287,9 @@ int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *kv
                 status = -2;
                 continue;
             }
-            const int64_t row = b * num_heads * head_dim;
-            attend_sequence(q + b * q_stride, k_cache, v_cache, block_tables + b * table_width, first, context_lens[b],
-                            block_size, num_heads, num_kv_heads, head_dim, scale, softcap, scores, out + row);
+            attend_sequence(q + b * q_stride, k_cache, v_cache, block_tables + b * table_width, first,
+                            context_lens[b], block_size, num_heads, num_kv_heads, head_dim, scale, softcap, scores,
+                            out + b * num_heads * head_dim);
         }
         free(scores);
     }
