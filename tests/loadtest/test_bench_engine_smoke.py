@@ -36,11 +36,17 @@ class _Output:
         self.outputs = [_Completion(n)]
 
 class LLM:
+    calls = 0
+
     def __init__(self, model, dtype, **kwargs):
         assert dtype == "float32"
 
     def generate(self, prompts, params, use_tqdm=True):
+        import os
         assert all("prompt_token_ids" in p for p in prompts)
+        LLM.calls += 1
+        if LLM.calls == int(os.environ.get("FAKE_VLLM_DIE_ON_CALL", "0")):
+            raise SystemExit("fake vLLM stops here")
         return [_Output(p.max_tokens) for p in params]
 '''
 
@@ -113,6 +119,34 @@ def test_waves_run_one_after_another_through_engine_and_vllm(model_dir, tmp_path
     assert two["output_tokens"] > one["output_tokens"] and two["prompt_tokens"] > one["prompt_tokens"]
     assert two["vllm_tok_s"] > 0 and two["engine_over_vllm"] is not None
     assert stdout.count("; waves ") == 2  # the engine's and vLLM's per-wave seconds
+
+
+def test_alternate_waves_time_each_wave_on_both_systems(model_dir, tmp_path):
+    """--alternate-waves keeps vLLM loaded beside the engine, runs wave i on both before wave i + 1, and reports each
+    wave's own ratio and their median. A vLLM that dies part way is reported as skipped, not as a result."""
+    fake = tmp_path / "fake_site"
+    (fake / "vllm").mkdir(parents=True)
+    (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")])}
+    common = [*TINY, "--model-dir", model_dir, "--skip-transformers-single", "--skip-transformers-batch",
+              "--compare-vllm", sys.executable, "--waves", "3", "--alternate-waves"]
+    summary, stdout = _run(common, env)
+    assert summary["alternate_waves"] and summary["vllm_skipped_reason"] is None and summary["vllm_tok_s"] > 0
+    by_wave = summary["engine_over_vllm_by_wave"]
+    assert len(by_wave) == 3 and all(r > 0 for r in by_wave)
+    assert summary["engine_over_vllm_wave_median"] == pytest.approx(sorted(by_wave)[1], abs=1e-4)
+    assert "wave by wave" in stdout and stdout.count("; waves ") == 2
+    # vLLM calls: 1 the warm-up, 2 wave 0, 3 wave 1, which dies
+    died, stdout = _run(common, {**env, "FAKE_VLLM_DIE_ON_CALL": "3"})
+    assert died["vllm_tok_s"] is None and died["engine_over_vllm_by_wave"] is None
+    assert "exited" in died["vllm_skipped_reason"] and "fake vLLM stops here" in died["vllm_skipped_reason"]
+    assert died["engine_tok_s"] > 0
+
+
+def test_alternate_waves_need_vllm(model_dir):
+    done = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--model-dir", model_dir, "--alternate-waves"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2 and "--compare-vllm" in done.stderr
 
 
 def test_the_first_wave_is_the_one_wave_workload():

@@ -1,0 +1,113 @@
+"""vLLM's CPU build kept loaded in its own interpreter, running a workload's waves one at a time when asked.
+
+Why: on a shared VM a slow spell lasts seconds to minutes. Timed one system after the other, a spell can fall on
+either one's run and moves their ratio by 10% or more. When each wave runs first on one system and then on the
+other, a spell hits both within the same minute, and each wave gives a ratio of its own (`bench_engine.py
+--alternate-waves`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from loadtest.common.engine_workload import Workload
+from loadtest.common.throughput import Throughput, wave_seconds_note
+from loadtest.common.vllm_baseline import _missing, _write_job, vllm_env
+
+
+class VllmFailed(RuntimeError):
+    """The child exited, said something else than expected, or did not answer in time."""
+
+
+class VllmWaves:
+    """Use as a context manager: `start()` loads vLLM (minutes), `run_wave(i)` times wave i there, `throughput()`
+    sums the waves run. The child ends when the context exits."""
+
+    def __init__(self, python: str, model_dir: str, workload: Workload, wave_size: int, num_threads: int,
+                 kv_cache_gib: int, timeout_s: float) -> None:
+        self.python, self.model_dir, self.workload, self.wave_size = python, model_dir, workload, wave_size
+        self.num_threads, self.kv_cache_gib, self.timeout_s = num_threads, kv_cache_gib, timeout_s
+        self.version = "?"
+        self.wave_seconds: list[float] = []
+        self.produced: list[int] = []
+        self._tmp = tempfile.TemporaryDirectory(prefix="bench-vllm-")
+        self._stderr_path = Path(self._tmp.name) / "stderr.log"
+        self._process: subprocess.Popen[bytes] | None = None
+        self._unread = b""  # stdout read but not yet split into lines
+
+    def __enter__(self) -> VllmWaves:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self._process is not None:
+            if self._process.stdin:
+                self._process.stdin.close()  # EOF: the child's loop ends
+            try:
+                self._process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._tmp.cleanup()
+
+    def start(self) -> str | None:
+        """Loads vLLM and waits until it is ready. Returns why it cannot run, or None."""
+        if (missing := _missing(self.python)) is not None:
+            return missing
+        script, spec = _write_job(self._tmp.name, self.model_dir, self.workload, None, self.wave_size,
+                                  on_command=True)
+        with open(self._stderr_path, "w") as stderr:  # a file, not a pipe: vLLM logs a lot and nobody reads it
+            self._process = subprocess.Popen(
+                [self.python, str(script), str(spec)], env=vllm_env(self.num_threads, self.kv_cache_gib),
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, bufsize=0)
+        try:
+            self.version = self._next_message()["vllm_version"]
+        except VllmFailed as failure:
+            return str(failure)
+        return None
+
+    def run_wave(self, index: int) -> float:
+        """Wave `index`'s seconds, as timed inside vLLM's process."""
+        assert self._process is not None and self._process.stdin is not None, "start() first"
+        try:
+            self._process.stdin.write(f"{index}\n".encode())
+        except BrokenPipeError:
+            raise VllmFailed(f"vLLM exited with {self._process.wait()}: {self._stderr_tail()}") from None
+        message = self._next_message()
+        start = index * self.wave_size
+        if message.get("wave") != index or message["produced"] != self.workload.max_tokens[start:start + self.wave_size]:
+            raise VllmFailed(f"vLLM answered wave {index} with {str(message)[:200]}")
+        self.wave_seconds.append(message["seconds"])
+        self.produced += message["produced"]
+        return message["seconds"]
+
+    def throughput(self, num_requests: int) -> Throughput:
+        note = f"vllm {self.version}" + wave_seconds_note(self.wave_seconds)
+        return Throughput("vllm-cpu", sum(self.produced), sum(self.wave_seconds), num_requests, note)
+
+    def _next_message(self) -> dict:
+        """The child's next JSON line on stdout (other lines skipped), within the timeout. Reads the pipe itself,
+        unbuffered: a buffered reader may hold the next line where select() cannot see it."""
+        assert self._process is not None and self._process.stdout is not None
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            while b"\n" in self._unread:
+                line, self._unread = self._unread.split(b"\n", 1)
+                if line.startswith(b"{"):
+                    return json.loads(line)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([self._process.stdout], [], [], remaining)[0]:
+                raise VllmFailed(f"vLLM did not answer within {self.timeout_s:.0f} s")
+            chunk = os.read(self._process.stdout.fileno(), 1 << 16)
+            if not chunk:
+                raise VllmFailed(f"vLLM exited with {self._process.wait()}: {self._stderr_tail()}")
+            self._unread += chunk
+
+    def _stderr_tail(self) -> str:
+        lines = self._stderr_path.read_text(errors="replace").strip().splitlines()[-5:]
+        return " | ".join(lines)
