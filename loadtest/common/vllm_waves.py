@@ -4,6 +4,11 @@ Why: on a shared VM a slow spell lasts seconds to minutes. Timed one system afte
 either one's run and moves their ratio by 10% or more. When each wave runs first on one system and then on the
 other, a spell hits both within the same minute, and each wave gives a ratio of its own (`bench_engine.py
 --alternate-waves`).
+
+vLLM's processes do not go quiet when a wave ends: they kept running for a few seconds after it (0.4-0.95 CPU
+seconds on 2 cores during the ~3 s that followed a tiny wave, against ~0.1 s when the engine's wave started 5 s
+later), which would slow whatever runs next. So `run_wave` returns only once vLLM's process tree has gone quiet
+(`wait_until_quiet`); the engine is quiet as soon as its `generate` returns (its OpenMP threads sleep).
 """
 
 from __future__ import annotations
@@ -19,6 +24,34 @@ from pathlib import Path
 from loadtest.common.engine_workload import Workload
 from loadtest.common.throughput import Throughput, wave_seconds_note
 from loadtest.common.vllm_baseline import _missing, _write_job, vllm_env
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+QUIET_WINDOW_S = 0.5  # vLLM counts as quiet when its processes used less than QUIET_SHARE of a core over this
+QUIET_SHARE = 0.05
+QUIET_LIMIT_S = 30.0  # and the next wave starts anyway after this long
+
+
+def process_tree_cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of `root` and every descendant alive now (Linux /proc)."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        except OSError:  # gone meanwhile
+            continue
+        parents[int(entry)] = int(fields[1])
+        times[int(entry)] = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    tree, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in tree]
+        tree.update(children)
+        frontier += children
+    return sum(times.get(pid, 0.0) for pid in tree)
 
 
 class VllmFailed(RuntimeError):
@@ -36,6 +69,7 @@ class VllmWaves:
         self.version = "?"
         self.wave_seconds: list[float] = []
         self.produced: list[int] = []
+        self.settle_seconds: list[float] = []  # after each wave, until vLLM's processes went quiet
         self._tmp = tempfile.TemporaryDirectory(prefix="bench-vllm-")
         self._stderr_path = Path(self._tmp.name) / "stderr.log"
         self._process: subprocess.Popen[bytes] | None = None
@@ -84,10 +118,24 @@ class VllmWaves:
             raise VllmFailed(f"vLLM answered wave {index} with {str(message)[:200]}")
         self.wave_seconds.append(message["seconds"])
         self.produced += message["produced"]
+        self.settle_seconds.append(self.wait_until_quiet())
         return message["seconds"]
 
+    def wait_until_quiet(self) -> float:
+        """Waits until vLLM's processes use (almost) no CPU; returns how long that took."""
+        assert self._process is not None
+        started = time.monotonic()
+        used = process_tree_cpu_seconds(self._process.pid)
+        while time.monotonic() - started < QUIET_LIMIT_S:
+            time.sleep(QUIET_WINDOW_S)
+            used, before = process_tree_cpu_seconds(self._process.pid), used
+            if used - before < QUIET_SHARE * QUIET_WINDOW_S:
+                break
+        return time.monotonic() - started
+
     def throughput(self, num_requests: int) -> Throughput:
-        note = f"vllm {self.version}" + wave_seconds_note(self.wave_seconds)
+        note = (f"vllm {self.version}" + wave_seconds_note(self.wave_seconds)
+                + "; quiet after " + ", ".join(f"{s:.1f}" for s in self.settle_seconds) + " s")
         return Throughput("vllm-cpu", sum(self.produced), sum(self.wave_seconds), num_requests, note)
 
     def _next_message(self) -> dict:
