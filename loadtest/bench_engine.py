@@ -256,7 +256,7 @@ def run_throughput(args: argparse.Namespace, model_dir: str, device: torch.devic
     gflops = measure_gemm_gflops(device, args.gemm_size, args.gemm_reps)
     with ExitStack() as stack:
         alternate, vllm, vllm_skipped, paired = None, None, None, None
-        if args.alternate_waves and args.compare_vllm:
+        if args.alternate_waves:  # _validate made sure --compare-vllm is given
             alternate = stack.enter_context(VllmWaves(
                 args.compare_vllm, model_dir, workload, args.num_requests, torch.get_num_threads(),
                 args.vllm_kvcache_gib, args.vllm_timeout))

@@ -40,16 +40,20 @@ def main():
     prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
     llm.generate(prompts[:1], [SamplingParams(max_tokens=2, temperature=0)], use_tqdm=False)  # warm-up
     wave_size = spec.get("wave_size") or len(prompts)  # waves one after another, each submitted at once
+
+    def wave(index):
+        start = index * wave_size
+        return timed_wave(llm, prompts[start:start + wave_size], params[start:start + wave_size])
+
     if spec.get("on_command"):
         print(json.dumps({"ready": True, "vllm_version": vllm.__version__}), flush=True)
         for line in sys.stdin:
-            start = int(line) * wave_size
-            seconds, produced = timed_wave(llm, prompts[start:start + wave_size], params[start:start + wave_size])
+            seconds, produced = wave(int(line))
             print(json.dumps({"wave": int(line), "seconds": seconds, "produced": produced}), flush=True)
         return
     wave_seconds, produced = [], []
-    for start in range(0, len(prompts), wave_size):
-        seconds, wave_produced = timed_wave(llm, prompts[start:start + wave_size], params[start:start + wave_size])
+    for index in range(-(-len(prompts) // wave_size)):
+        seconds, wave_produced = wave(index)
         wave_seconds.append(seconds)
         produced += wave_produced
     print(json.dumps({"seconds": sum(wave_seconds), "wave_seconds": wave_seconds, "produced": produced,
@@ -76,13 +80,13 @@ def vllm_env(num_threads: int, kv_cache_gib: int) -> dict[str, str]:
     return env
 
 
-def _missing(python: str) -> str | None:
+def interpreter_missing(python: str) -> str | None:
     if Path(python).is_file() and os.access(python, os.X_OK):
         return None
     return f"interpreter {python} not found or not executable"
 
 
-def _write_job(tmp: str, model_dir: str, workload: Workload, max_num_seqs: int | None, wave_size: int | None,
+def write_job(tmp: str, model_dir: str, workload: Workload, max_num_seqs: int | None, wave_size: int | None,
                on_command: bool = False) -> tuple[Path, Path]:
     """The child's script and its spec file in `tmp`."""
     max_model_len = max(len(p) + n for p, n in zip(workload.prompts, workload.max_tokens))
@@ -101,10 +105,10 @@ def run_vllm(
 ) -> VllmOutcome:
     """wave_size: submit the workload in consecutive waves of that many requests, each once the last is done
     (None: all at once); the time is the waves' sum."""
-    if (missing := _missing(python)) is not None:
+    if (missing := interpreter_missing(python)) is not None:
         return VllmOutcome(None, missing)
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
-        script, spec_path = _write_job(tmp, model_dir, workload, max_num_seqs, wave_size)
+        script, spec_path = write_job(tmp, model_dir, workload, max_num_seqs, wave_size)
         try:
             done = subprocess.run(
                 [python, str(script), str(spec_path)], env=vllm_env(num_threads, kv_cache_gib),
@@ -118,11 +122,15 @@ def run_vllm(
 def _parse(done: subprocess.CompletedProcess[str], workload: Workload) -> VllmOutcome:
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
-        return VllmOutcome(None, f"vLLM exited with {done.returncode}: " + " | ".join(tail))
+        return VllmOutcome(None, f"vLLM exited with {done.returncode}: {last_lines(done.stderr or done.stdout)}")
     result = json.loads(lines[-1])
     if result["produced"] != workload.max_tokens:
         return VllmOutcome(None, "vLLM produced other lengths than the forced ones")
     note = f"vllm {result['vllm_version']}" + wave_seconds_note(result.get("wave_seconds", []))
     return VllmOutcome(Throughput("vllm-cpu", sum(result["produced"]), result["seconds"],
                                   workload.num_requests, note), None)
+
+
+def last_lines(text: str, count: int = 5) -> str:
+    """The end of a child's output, on one line: what a failure report quotes."""
+    return " | ".join(text.strip().splitlines()[-count:])

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from loadtest.common.engine_workload import Workload
 from loadtest.common.throughput import Throughput, wave_seconds_note
-from loadtest.common.vllm_baseline import _missing, _write_job, vllm_env
+from loadtest.common.vllm_baseline import interpreter_missing, last_lines, vllm_env, write_job
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 QUIET_WINDOW_S = 0.5  # vLLM counts as quiet when its processes used less than QUIET_SHARE of a core over this
@@ -91,9 +91,9 @@ class VllmWaves:
 
     def start(self) -> str | None:
         """Loads vLLM and waits until it is ready. Returns why it cannot run, or None."""
-        if (missing := _missing(self.python)) is not None:
+        if (missing := interpreter_missing(self.python)) is not None:
             return missing
-        script, spec = _write_job(self._tmp.name, self.model_dir, self.workload, None, self.wave_size,
+        script, spec = write_job(self._tmp.name, self.model_dir, self.workload, None, self.wave_size,
                                   on_command=True)
         with open(self._stderr_path, "w") as stderr:  # a file, not a pipe: vLLM logs a lot and nobody reads it
             self._process = subprocess.Popen(
@@ -157,5 +157,4 @@ class VllmWaves:
             self._unread += chunk
 
     def _stderr_tail(self) -> str:
-        lines = self._stderr_path.read_text(errors="replace").strip().splitlines()[-5:]
-        return " | ".join(lines)
+        return last_lines(self._stderr_path.read_text(errors="replace"))

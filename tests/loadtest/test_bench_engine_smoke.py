@@ -56,6 +56,15 @@ def model_dir(tmp_path_factory) -> str:
     return str(write_checkpoint(tmp_path_factory.mktemp("bench-tiny"), size="tiny", seed=0))
 
 
+@pytest.fixture
+def env(tmp_path) -> dict[str, str]:
+    """The environment for a run whose `--compare-vllm sys.executable` imports the stand-in vllm module."""
+    fake = tmp_path / "fake_site"
+    (fake / "vllm").mkdir(parents=True)
+    (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")])}
+
+
 def _run(args: list[str], env: dict[str, str] | None = None) -> tuple[dict, str]:
     done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120,
                           env=env, cwd=ROOT)
@@ -64,11 +73,7 @@ def _run(args: list[str], env: dict[str, str] | None = None) -> tuple[dict, str]
     return json.loads(last_line), done.stdout
 
 
-def test_throughput_run_reports_every_system(model_dir, tmp_path):
-    fake = tmp_path / "fake_site"
-    (fake / "vllm").mkdir(parents=True)
-    (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")])}
+def test_throughput_run_reports_every_system(model_dir, env):
     args = [*TINY, "--model-dir", model_dir, "--transformers-sample", "2", "--transformers-batch-size", "2",
             "--compare-vllm", sys.executable]
     summary, stdout = _run(args, env)
@@ -105,12 +110,8 @@ def test_memory_check_reports_rss_per_wave(model_dir):
     assert stdout.count("RSS") >= 3
 
 
-def test_waves_run_one_after_another_through_engine_and_vllm(model_dir, tmp_path):
+def test_waves_run_one_after_another_through_engine_and_vllm(model_dir, env):
     """--waves 2: twice the requests, in two waves timed back to back by both systems, rates over both."""
-    fake = tmp_path / "fake_site"
-    (fake / "vllm").mkdir(parents=True)
-    (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")])}
     common = [*TINY, "--model-dir", model_dir, "--skip-transformers-single", "--skip-transformers-batch",
               "--compare-vllm", sys.executable]
     one, _ = _run(common, env)
@@ -121,13 +122,9 @@ def test_waves_run_one_after_another_through_engine_and_vllm(model_dir, tmp_path
     assert stdout.count("; waves ") == 2  # the engine's and vLLM's per-wave seconds
 
 
-def test_alternate_waves_time_each_wave_on_both_systems(model_dir, tmp_path):
+def test_alternate_waves_time_each_wave_on_both_systems(model_dir, env):
     """--alternate-waves keeps vLLM loaded beside the engine, runs wave i on both before wave i + 1, and reports each
     wave's own ratio and their median. A vLLM that dies part way is reported as skipped, not as a result."""
-    fake = tmp_path / "fake_site"
-    (fake / "vllm").mkdir(parents=True)
-    (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")])}
     common = [*TINY, "--model-dir", model_dir, "--skip-transformers-single", "--skip-transformers-batch",
               "--compare-vllm", sys.executable, "--waves", "3", "--alternate-waves"]
     summary, stdout = _run(common, env)
