@@ -119,7 +119,8 @@ def _reference(q, kv_cache, tables, lens, scale, window, softcap):
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"),
                          [(8, 4, 32, 16), (12, 4, 64, 16), (4, 1, 128, 16), (6, 3, 24, 16), (4, 2, 20, 16),
-                          (8, 8, 64, 5), (9, 3, 64, 32), (16, 4, 64, 16), (16, 1, 16, 16), (16, 1, 32, 16)])
+                          (8, 8, 64, 5), (9, 3, 64, 32), (16, 4, 64, 16), (16, 1, 16, 16), (16, 1, 32, 16),
+                          (4, 4, 64, 32), (4, 4, 128, 16), (8, 2, 32, 16)])
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (37, None), (None, 3.0)])
 def test_kernel_matches_the_definition_on_long_scattered_contexts(num_heads, num_kv_heads, head_dim, block_size,
                                                                   window, softcap):
@@ -127,7 +128,9 @@ def test_kernel_matches_the_definition_on_long_scattered_contexts(num_heads, num
     scored eight at a time with tiles cut by block ends (block size 5, 32) and by a window's first key, and
     contexts whose length is no multiple of anything: all equal the definition. With AVX-512, GQA groups whose
     query heads fill at most 16 vectors (16 x 64 / 4, 16 x 16 / 1) take the row-by-row group code, and larger ones
-    (4 x 128 / 1, 16 x 32 / 1) the AVX2 tiles."""
+    (4 x 128 / 1, 16 x 32 / 1) the AVX2 tiles. Groups of 1-4 with room for a tile's accumulators score 16 / group
+    keys at a time (8 x 32 / 4: 8 keys, 12 x 64 / 4: 5, 8 x 32 / 2: 4, 4 x 64 / 4 and 4 x 128 / 4: 16; the rest of a
+    span row by row; never with a soft-cap)."""
     torch.manual_seed(2)
     lens = torch.tensor([1, 7, 8, 9, 17, 63, 100, 203], dtype=torch.int64)
     width = int((lens.max() + block_size - 1) // block_size)
