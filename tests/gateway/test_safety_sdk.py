@@ -38,8 +38,8 @@ def _config(path, classifier_url: str, fail_mode: str) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def _short_collections():
-    """The gateway runs in this process, and late in the full suite the process holds ~800k objects that Python's
-    full collections walk: 0.4-0.53 s each (measured with a gc callback), as long as CLASSIFIER_TIMEOUT_S, so a
+    """The gateway runs in this process, and late in the full suite the process holds ~800k-970k objects that Python's
+    full collections walk: 0.4-0.66 s each (measured with a gc callback), as long as CLASSIFIER_TIMEOUT_S, so a
     collection during a classifier call turned a healthy call into a 503. Frozen, they are skipped, and a full
     collection walks only what this module makes; they go back to the collector when the module ends."""
     gc.collect()
