@@ -13,8 +13,9 @@ from flotilla.engine.model.attention import AttentionMetadata, SeqChunk
 from flotilla.engine.model.kv_cache import allocate_kv_cache, copy_blocks
 from flotilla.engine.model.llama import LlamaForCausalLM
 from flotilla.engine.grammar_backend import mask_logits
+from flotilla.engine.kv_swap import KVSwapper
 from flotilla.engine.sampler import compute_logprobs, sample
-from flotilla.engine.scheduler_output import BlockCopy, ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from flotilla.engine.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 
 
 class StepKVHook(Protocol):
@@ -69,6 +70,7 @@ class ModelRunner:
             if num_host_blocks
             else []
         )
+        self.swapper = KVSwapper(self.kv_caches, self.host_kv_caches) if num_host_blocks else None
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -122,8 +124,10 @@ class ModelRunner:
         return hidden
 
     def _move_blocks(self, scheduler_output: SchedulerOutput) -> None:
-        _copy_between(self.kv_caches, self.host_kv_caches, scheduler_output.swap_out)
-        _copy_between(self.host_kv_caches, self.kv_caches, scheduler_output.swap_in)
+        if self.swapper is not None:  # swap_out first: its device blocks may be this step's swap-in targets
+            self.swapper.apply(scheduler_output.swap_out, scheduler_output.swap_in)
+        elif scheduler_output.swap_out or scheduler_output.swap_in:
+            raise RuntimeError("the scheduler swapped blocks but this runner has no host pool")
         copy_blocks(self.kv_caches, [(copy.src, copy.dst) for copy in scheduler_output.block_copies])
 
     def _inputs(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,12 +164,3 @@ def _last_rows(chunks: Sequence[ScheduledChunk], indices: Sequence[int]) -> list
         total += chunk.num_tokens
         ends.append(total - 1)
     return [ends[i] for i in indices]
-
-
-def _copy_between(src_caches: Sequence[torch.Tensor], dst_caches: Sequence[torch.Tensor], pairs: Sequence[BlockCopy]) -> None:
-    if not pairs:
-        return
-    src_ids = torch.tensor([p.src for p in pairs], dtype=torch.int64, device=src_caches[0].device)
-    dst_ids = torch.tensor([p.dst for p in pairs], dtype=torch.int64, device=dst_caches[0].device)
-    for src_layer, dst_layer in zip(src_caches, dst_caches):
-        dst_layer[:, dst_ids] = src_layer[:, src_ids].to(dst_layer.device)
