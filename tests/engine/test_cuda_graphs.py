@@ -48,11 +48,21 @@ def test_padded_inputs_reject_what_does_not_fit():
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
-def test_triton_engine_with_decode_graph_buffers_matches_cpu_engine(tiny_checkpoint, monkeypatch):
+@pytest.mark.parametrize("split_decode", [False, True])
+def test_triton_engine_with_decode_graph_buffers_matches_cpu_engine(tiny_checkpoint, monkeypatch, split_decode):
     """Prompts chunked over mixed prefill/decode steps (8 tokens a step), decode steps through the static buffers
-    padded to a captured size, then a prefix hit; greedy tokens equal to the CPU engine's. (The interpreter takes
-    ~0.2 s a kernel launch: few steps.)"""
+    padded to a captured size, then a prefix hit; greedy tokens equal to the CPU engine's. split_decode: as on a
+    GPU with 64 multiprocessors and 8-key splits, so that the graph buffers' decode steps split their keys.
+    (The interpreter takes ~0.2 s a kernel launch: few steps.)"""
     pytest.importorskip("triton")
+    from flotilla.engine.model import triton_attention
+
+    splits = []
+    if split_decode:
+        monkeypatch.setattr(triton_attention, "_num_multiprocessors", lambda device: 64)
+        monkeypatch.setattr(triton_attention, "MIN_SPLIT_KEYS", 8)
+        decode_splits = triton_attention.decode_splits
+        monkeypatch.setattr(triton_attention, "decode_splits", lambda *a: splits.append(decode_splits(*a)) or splits[-1])
     prompts = [[5 + i, 17, 3 * i + 1] * (i + 1) for i in range(3)]
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     config = dict(model_dir=str(tiny_checkpoint), device="cpu", num_kv_blocks=32, block_size=4, max_model_len=64,
@@ -69,6 +79,7 @@ def test_triton_engine_with_decode_graph_buffers_matches_cpu_engine(tiny_checkpo
     assert replays and any(size not in (1, 4) for size in replays)  # at least one step was padded
     [again] = engine.generate([prompts[2]], params)
     assert again.token_ids == expected[2] and again.num_cached_prompt_tokens == 8
+    assert (max(splits, default=1) > 1) == split_decode  # 64 keys the tables hold, 8 a split: 8 splits
 
 
 def test_config_rejects_unknown_backends_and_kv_types(tiny_checkpoint):

@@ -114,3 +114,48 @@ def test_empty_context_rows_come_out_zero():
     out = triton_attention.paged_attention(q, kv_cache, torch.zeros(2, 1, dtype=torch.int64),
                                            torch.tensor([0, 1, 2]), torch.tensor([0, 0]), 1)
     torch.testing.assert_close(out, torch.zeros_like(q))
+
+
+def _triton_decode(seqs, block_size, kv_cache, q, k, v, num_splits, window=None, softcap=None):
+    """The Triton path on an all-decode step with its keys split `num_splits` ways (the torch path for reference)."""
+    from flotilla.engine.model import triton_attention
+
+    (expected, _), _ = _both(seqs, block_size, kv_cache, q, k, v, window, softcap)
+    meta = AttentionMetadata.build(seqs, block_size, CPU, sliding_window=window, use_triton=True)
+    cache = kv_cache.clone()
+    paged_attention(q, k, v, cache, meta, None, window, softcap)  # writes this step's K/V
+    actual = triton_attention.paged_attention(q, cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
+                                              1, None, window, softcap, max_context_len=meta.max_context_len,
+                                              num_splits=num_splits)
+    return expected, actual
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "num_splits"),
+                         [(8, 2, 16, 3), (6, 1, 24, 4), (4, 4, 8, 2)])
+def test_split_decode_matches_torch_path(num_heads, num_kv_heads, head_dim, num_splits):
+    """Split-K decode: sequences of different lengths, the shortest with splits that hold none of its keys."""
+    tables = _tables(64, [12, 1, 5, 9], seed=num_splits)
+    seqs = [SeqChunk(45, 1, tables[0]), SeqChunk(2, 1, tables[1]), SeqChunk(17, 1, tables[2]),
+            SeqChunk(33, 1, tables[3])]
+    kv_cache, q, k, v = _step(seqs, 4, num_heads, num_kv_heads, head_dim, 64, seed=num_splits)
+    expected, actual = _triton_decode(seqs, 4, kv_cache, q, k, v, num_splits)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_split_decode_with_window_and_softcap():
+    tables = _tables(64, [12, 6], seed=9)
+    seqs = [SeqChunk(46, 1, tables[0]), SeqChunk(21, 1, tables[1])]
+    kv_cache, q, k, v = _step(seqs, 4, 8, 2, 16, 64, seed=4)
+    expected, actual = _triton_decode(seqs, 4, kv_cache, q * 3, k, v, num_splits=3, window=20, softcap=2.0)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_splits_fill_the_gpu_only_where_it_pays():
+    from flotilla.engine.model.triton_attention import MAX_SPLITS, MIN_SPLIT_KEYS, decode_splits
+
+    assert decode_splits(1, 8, 32_768, 132) == MAX_SPLITS  # batch 1, long context: as many as allowed
+    assert decode_splits(1, 8, 4 * MIN_SPLIT_KEYS, 132) == 4  # no split shorter than MIN_SPLIT_KEYS
+    assert decode_splits(1, 8, MIN_SPLIT_KEYS, 132) == 1
+    assert decode_splits(64, 8, 32_768, 132) == 1  # 512 programs fill 132 multiprocessors already
+    assert decode_splits(8, 8, 32_768, 132) == 5  # 64 programs: 5 splits make 320 >= 264
+    assert decode_splits(1, 8, 0, 132) == 1  # context unknown

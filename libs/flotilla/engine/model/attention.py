@@ -99,6 +99,7 @@ class AttentionMetadata:
     # Set (and decode_groups/prefills left empty) when the Triton kernel runs the whole step (triton_attention.py)
     query_start_loc: torch.Tensor | None = None  # [num_seqs + 1] each sequence's first row in the input
     max_query_len: int = 0
+    max_context_len: int = 0  # the longest context of the step (0: not known, as in a CUDA graph's replays)
     # [T * H_kv] where each new token's K/V rows go (kv_cache.cache_rows): set once per forward (with_cache_rows),
     # since every layer's cache has the same shape; None: paged_attention computes them
     cache_rows: torch.Tensor | None = None
@@ -180,6 +181,7 @@ class AttentionMetadata:
             query_start_loc=torch.tensor([*offsets, sum(counts)], dtype=torch.int64).to(device, non_blocking=True)
             if use_triton else None,
             max_query_len=max(counts),
+            max_context_len=max(ends),
         )
 
 
@@ -332,7 +334,8 @@ def paged_attention(
         from flotilla.engine.model import triton_attention  # imports triton: only where it runs
 
         return triton_attention.paged_attention(q, kv_cache, meta.block_tables, meta.query_start_loc,
-                                                meta.context_lens, meta.max_query_len, scale, window, softcap)
+                                                meta.context_lens, meta.max_query_len, scale, window, softcap,
+                                                max_context_len=meta.max_context_len)
     out = torch.empty_like(q)
     scores = _Scores(scale, window is not None, softcap)
     for group in meta.decode_groups:

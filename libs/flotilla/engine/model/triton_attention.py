@@ -8,6 +8,13 @@ in the block table, so any block size works. Softmax is online in float32 (flash
 in IEEE precision (not TF32), so an fp32 engine stays exact against transformers. K/V may be stored in a narrower
 type than q (fp8): they are widened on load.
 
+Split-K decode (flash decoding): an all-decode step with too few (sequence, KV head) programs to fill the GPU and
+long enough contexts splits each context into `num_splits` ranges of keys, one program each. Each program writes
+its rows' unnormalised output, running max and sum for its range, and a second kernel combines the ranges (weights
+exp(max_s - max)). Without it a batch-1 decode over a long context runs num_kv_heads programs on a GPU with
+100+ multiprocessors. A CUDA graph splits for the longest context its block tables hold (cuda_graphs.py): ranges
+past a sequence's context hold no key, and their programs exit at once.
+
 Set TRITON_INTERPRET=1 before this module is imported to run the kernel on a CPU (the tests do).
 """
 
@@ -27,6 +34,10 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DECODE_ROWS = 1 if _INTERPRETED else 16
 PREFILL_ROWS = 16 if _INTERPRETED else 64
 BLOCK_N = 16 if _INTERPRETED else 64
+# Split-K decode: aim at twice as many programs as the GPU has multiprocessors, never fewer than MIN_SPLIT_KEYS keys
+# a split (a split's fixed cost: its rows' loads and the combine's reads), at most MAX_SPLITS splits.
+MIN_SPLIT_KEYS = 256
+MAX_SPLITS = 16
 
 
 @triton.jit
@@ -36,9 +47,12 @@ def _paged_attention_kernel(
     scale, softcap, window, block_size,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
+    part_out_ptr, part_ml_ptr, split_len, num_splits, SPLIT: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
+    if SPLIT:  # a split step is all decode: one query block, and axis 1 numbers the splits
+        q_block = 0
     kv_head = tl.program_id(2)
     q_start = tl.load(query_start_ptr + seq)
     query_len = tl.load(query_start_ptr + seq + 1) - q_start
@@ -63,6 +77,10 @@ def _paged_attention_kernel(
     kv_begin = 0
     if USE_WINDOW:
         kv_begin = tl.maximum(first_pos + block_first - window + 1, 0) // BLOCK_N * BLOCK_N
+    if SPLIT:  # this program's range of keys (split_len is a multiple of BLOCK_N: tiles stay aligned)
+        split = tl.program_id(1)
+        kv_begin = tl.maximum(kv_begin, split * split_len)
+        kv_end = tl.minimum(kv_end, (split + 1) * split_len)
 
     m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M * GROUP_PAD], dtype=tl.float32)
@@ -90,9 +108,56 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
         m_i = m_new
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    out_offsets = (q_start + token).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
-    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+    if SPLIT:  # the range's unnormalised output, max and sum, for _combine_splits_kernel
+        part = ((q_start + token).to(tl.int64) * (GROUP * tl.num_programs(2)) + head) * num_splits + split
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,
+                 mask=row_valid[:, None] & dim_valid[None, :])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_valid)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_valid)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out_offsets = (q_start + token).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_out_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, num_heads, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):  # fmt: skip
+    """One (token, head): its splits' outputs weighted by exp(max_s - max) over their sums likewise weighted."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_valid = splits < num_splits
+    part = (token.to(tl.int64) * num_heads + head) * num_splits + splits
+    m = tl.load(part_ml_ptr + part * 2, mask=split_valid, other=float("-inf"))
+    l = tl.load(part_ml_ptr + part * 2 + 1, mask=split_valid, other=0.0)
+    m_max = tl.max(m, 0)
+    weights = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # 0 for a split that saw no key
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < HEAD_DIM
+    acc = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+                  mask=split_valid[:, None] & dim_valid[None, :], other=0.0)
+    total = tl.sum(weights * l, 0)
+    out = tl.sum(weights[:, None] * acc, 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dim_valid)
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_multiprocessors: int) -> int:
+    """Key ranges per (sequence, KV head) for an all-decode step: enough programs for twice the multiprocessors,
+    each range at least MIN_SPLIT_KEYS keys, at most MAX_SPLITS; 1 when the step fills the GPU already or its
+    contexts are short (or unknown: max_context_len 0)."""
+    programs = num_seqs * num_kv_heads
+    wanted = -(-2 * num_multiprocessors // max(programs, 1))
+    return max(1, min(wanted, max_context_len // MIN_SPLIT_KEYS, MAX_SPLITS))
+
+
+def _num_multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter: split only when asked (num_splits)
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def paged_attention(
@@ -107,10 +172,14 @@ def paged_attention(
     softcap: float | None = None,
     out: torch.Tensor | None = None,
     block_n: int = BLOCK_N,
+    max_context_len: int = 0,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] (sequence i's tokens are rows query_start_loc[i]:query_start_loc[i+1], the last ones of its
     context of context_lens[i] keys); kv_cache [2, num_blocks, H_kv, block_size, D] already holding this step's
-    K/V; block_tables [num_seqs, W]. -> [T, H, D]. max_query_len (a host int) sizes the grid only."""
+    K/V; block_tables [num_seqs, W]. -> [T, H, D]. max_query_len (a host int) sizes the grid only.
+    max_context_len: the longest context_lens entry (a host int; 0: unknown); with it an all-decode step may split
+    its keys (decode_splits). num_splits: force that many splits of an all-decode step (tests; 1: none)."""
     _, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = layer_dims(kv_cache)
     if num_heads % num_kv_heads:
@@ -123,14 +192,32 @@ def paged_attention(
     block_m = max(1, rows // group_pad)
     out = torch.empty_like(q) if out is None else out
     num_seqs = context_lens.shape[0]
-    grid = (num_seqs, triton.cdiv(max_query_len, block_m), num_kv_heads)
+    splits = 1
+    if max_query_len == 1:
+        splits = num_splits or decode_splits(num_seqs, num_kv_heads, max_context_len, _num_multiprocessors(q.device))
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if splits > 1:
+        # Every split the same whole number of tiles; the last ones may hold no key of a shorter sequence.
+        split_len = triton.cdiv(triton.cdiv(max(max_context_len, 1), splits), block_n) * block_n
+        part_out = torch.empty((q.shape[0], num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((q.shape[0], num_heads, splits, 2), dtype=torch.float32, device=q.device)
+        grid = (num_seqs, splits, num_kv_heads)
+    else:
+        split_len, part_out, part_ml = 0, out, out  # unused: SPLIT is off
+        grid = (num_seqs, triton.cdiv(max_query_len, block_m), num_kv_heads)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(2), k_cache.stride(1), block_tables.stride(0),  # block, token, head
         head_dim ** -0.5 if scale is None else scale, softcap or 1.0, window or 0, block_size,
-        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), GROUP=group, GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, GROUP_PAD=group_pad,
         BLOCK_M=block_m, BLOCK_N=block_n, USE_SOFTCAP=softcap is not None, USE_WINDOW=window is not None,
+        part_out_ptr=part_out, part_ml_ptr=part_ml, split_len=split_len, num_splits=splits, SPLIT=splits > 1,
     )  # fmt: skip
+    if splits > 1:
+        _combine_splits_kernel[(q.shape[0], num_heads)](
+            part_out, part_ml, out, out.stride(0), out.stride(1), num_heads, splits,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=triton.next_power_of_2(splits),
+        )  # fmt: skip
     return out
