@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -62,7 +63,27 @@ def main():
 
 # vLLM starts its engine core with multiprocessing "spawn", which re-imports this file: guard the entry.
 if __name__ == "__main__":
+    die_with_parent()
     main()
+'''
+
+# Put at the top of the child's script. The vLLM tree (this process, its engine core and its workers) is started
+# in a process group of its own (`start_new_session`), and the whole group dies once the benchmark that started it
+# is gone, however it went (killed, crashed, interrupted). Without this, vLLM's engine core and workers outlived a
+# stopped benchmark and kept a core part-busy for ten minutes, which spoiled the measurements that followed.
+DIE_WITH_PARENT = '''
+import os as _os, signal as _signal, threading as _threading, time as _time
+
+
+def die_with_parent():
+    parent = _os.getppid()
+
+    def watch():
+        while _os.getppid() == parent:
+            _time.sleep(0.5)
+        _os.killpg(0, _signal.SIGKILL)
+
+    _threading.Thread(target=watch, daemon=True, name="die-with-parent").start()
 '''
 
 
@@ -94,7 +115,7 @@ def write_job(tmp: str, model_dir: str, workload: Workload, max_num_seqs: int | 
             "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "wave_size": wave_size,
             "on_command": on_command}
     script, spec_path = Path(tmp) / "run_vllm.py", Path(tmp) / "spec.json"
-    script.write_text(VLLM_SCRIPT)
+    script.write_text(DIE_WITH_PARENT + VLLM_SCRIPT)
     spec_path.write_text(json.dumps(spec))
     return script, spec_path
 
@@ -109,14 +130,35 @@ def run_vllm(
         return VllmOutcome(None, missing)
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         script, spec_path = write_job(tmp, model_dir, workload, max_num_seqs, wave_size)
-        try:
-            done = subprocess.run(
-                [python, str(script), str(spec_path)], env=vllm_env(num_threads, kv_cache_gib),
-                capture_output=True, text=True, timeout=timeout_s,
-            )
-        except subprocess.TimeoutExpired:
-            return VllmOutcome(None, f"vLLM did not finish within {timeout_s:.0f} s")
+        done = run_group([python, str(script), str(spec_path)], vllm_env(num_threads, kv_cache_gib), timeout_s)
+    if done is None:
+        return VllmOutcome(None, f"vLLM did not finish within {timeout_s:.0f} s")
     return _parse(done, workload)
+
+
+def run_group(argv: list[str], env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess[str] | None:
+    """Runs argv in a process group of its own and returns its output; None when it outlasts timeout_s. Either way
+    nothing of the group is left running: vLLM's engine core and workers are the child's children, which a
+    timeout's kill of the child alone would leave behind."""
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        kill_group(process)
+    return subprocess.CompletedProcess(argv, process.returncode, stdout, stderr)
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL to whatever is left of the process group that `process` leads (started with start_new_session),
+    then reaps `process`."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # the group is gone already
+    process.wait()
 
 
 def _parse(done: subprocess.CompletedProcess[str], workload: Workload) -> VllmOutcome:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from loadtest.common.engine_workload import Workload
 from loadtest.common.throughput import Throughput, wave_seconds_note
-from loadtest.common.vllm_baseline import interpreter_missing, last_lines, vllm_env, write_job
+from loadtest.common.vllm_baseline import interpreter_missing, kill_group, last_lines, vllm_env, write_job
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 QUIET_WINDOW_S = 0.5  # vLLM counts as quiet when its processes used less than QUIET_SHARE of a core over this
@@ -85,8 +85,8 @@ class VllmWaves:
             try:
                 self._process.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
+                pass
+            kill_group(self._process)  # vLLM's engine core and workers too, should any have outlived the child
         self._tmp.cleanup()
 
     def start(self) -> str | None:
@@ -98,7 +98,7 @@ class VllmWaves:
         with open(self._stderr_path, "w") as stderr:  # a file, not a pipe: vLLM logs a lot and nobody reads it
             self._process = subprocess.Popen(
                 [self.python, str(script), str(spec)], env=vllm_env(self.num_threads, self.kv_cache_gib),
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, bufsize=0)
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, bufsize=0, start_new_session=True)
         try:
             self.version = self._next_message()["vllm_version"]
         except VllmFailed as failure:
