@@ -159,3 +159,12 @@ def test_decode_splits_fill_the_gpu_only_where_it_pays():
     assert decode_splits(64, 8, 32_768, 132) == 1  # 512 programs fill 132 multiprocessors already
     assert decode_splits(8, 8, 32_768, 132) == 5  # 64 programs: 5 splits make 320 >= 264
     assert decode_splits(1, 8, 0, 132) == 1  # context unknown
+
+
+def test_forced_splits_need_the_context_length():
+    from flotilla.engine.model import triton_attention
+
+    kv_cache = torch.zeros(layer_shape(4, 4, 1, 16))
+    with pytest.raises(ValueError, match="max_context_len"):
+        triton_attention.paged_attention(torch.randn(1, 2, 16), kv_cache, torch.zeros(1, 1, dtype=torch.int64),
+                                         torch.tensor([0, 1]), torch.tensor([3]), 1, num_splits=2)

@@ -178,8 +178,8 @@ def paged_attention(
     """q [T, H, D] (sequence i's tokens are rows query_start_loc[i]:query_start_loc[i+1], the last ones of its
     context of context_lens[i] keys); kv_cache [2, num_blocks, H_kv, block_size, D] already holding this step's
     K/V; block_tables [num_seqs, W]. -> [T, H, D]. max_query_len (a host int) sizes the grid only.
-    max_context_len: the longest context_lens entry (a host int; 0: unknown); with it an all-decode step may split
-    its keys (decode_splits). num_splits: force that many splits of an all-decode step (tests; 1: none)."""
+    max_context_len: at least the longest context_lens entry (a host int; 0: unknown); with it an all-decode step may
+    split its keys (decode_splits). num_splits: force that many splits of an all-decode step (tests; 1: none)."""
     _, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = layer_dims(kv_cache)
     if num_heads % num_kv_heads:
@@ -197,8 +197,10 @@ def paged_attention(
         splits = num_splits or decode_splits(num_seqs, num_kv_heads, max_context_len, _num_multiprocessors(q.device))
     block_d = max(16, triton.next_power_of_2(head_dim))
     if splits > 1:
+        if max_context_len < 1:  # the ranges must cover every key: a guess would drop some silently
+            raise ValueError("a split decode step needs max_context_len >= every context length")
         # Every split the same whole number of tiles; the last ones may hold no key of a shorter sequence.
-        split_len = triton.cdiv(triton.cdiv(max(max_context_len, 1), splits), block_n) * block_n
+        split_len = triton.cdiv(triton.cdiv(max_context_len, splits), block_n) * block_n
         part_out = torch.empty((q.shape[0], num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((q.shape[0], num_heads, splits, 2), dtype=torch.float32, device=q.device)
         grid = (num_seqs, splits, num_kv_heads)
