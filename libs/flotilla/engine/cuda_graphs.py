@@ -116,8 +116,8 @@ class DecodeGraphs:
             context_lens=inputs["context_lens"], block_tables=inputs["block_tables"], decode_groups=(), prefills=(),
             sliding_window=self.model.config.sliding_window,
             query_start_loc=torch.arange(size + 1, dtype=torch.int64, device=self.device), max_query_len=1,
-            # Split-K decode is chosen once, for the longest context the tables hold: a replay's shorter contexts
-            # leave the later key ranges empty (their programs exit at once).
+            # Split-K decode: the split count is fixed at capture, for the longest context the tables hold; each
+            # replay's sequences divide their actual keys among those splits.
             max_context_len=self.width * self.block_size,
         )  # fmt: skip
         if not self.capture:

@@ -161,10 +161,17 @@ def test_decode_splits_fill_the_gpu_only_where_it_pays():
     assert decode_splits(1, 8, 0, 132) == 1  # context unknown
 
 
-def test_forced_splits_need_the_context_length():
+def test_forced_splits_cover_every_key_without_the_context_length():
+    """Each sequence divides the keys it sees among the splits itself: no host-side length is needed to cover them."""
+    tables = _tables(64, [12, 3], seed=11)
+    seqs = [SeqChunk(45, 1, tables[0]), SeqChunk(9, 1, tables[1])]
+    kv_cache, q, k, v = _step(seqs, 4, 8, 2, 16, 64, seed=5)
     from flotilla.engine.model import triton_attention
 
-    kv_cache = torch.zeros(layer_shape(4, 4, 1, 16))
-    with pytest.raises(ValueError, match="max_context_len"):
-        triton_attention.paged_attention(torch.randn(1, 2, 16), kv_cache, torch.zeros(1, 1, dtype=torch.int64),
-                                         torch.tensor([0, 1]), torch.tensor([3]), 1, num_splits=2)
+    (expected, _), _ = _both(seqs, 4, kv_cache, q, k, v)
+    meta = AttentionMetadata.build(seqs, 4, CPU, use_triton=True)
+    cache = kv_cache.clone()
+    paged_attention(q, k, v, cache, meta)
+    actual = triton_attention.paged_attention(q, cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
+                                              1, num_splits=5)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)

@@ -9,11 +9,11 @@ in IEEE precision (not TF32), so an fp32 engine stays exact against transformers
 type than q (fp8): they are widened on load.
 
 Split-K decode (flash decoding): an all-decode step with too few (sequence, KV head) programs to fill the GPU and
-long enough contexts splits each context into `num_splits` ranges of keys, one program each. Each program writes
-its rows' unnormalised output, running max and sum for its range, and a second kernel combines the ranges (weights
-exp(max_s - max)). Without it a batch-1 decode over a long context runs num_kv_heads programs on a GPU with
-100+ multiprocessors. A CUDA graph splits for the longest context its block tables hold (cuda_graphs.py): ranges
-past a sequence's context hold no key, and their programs exit at once.
+long enough contexts splits each sequence's keys (those its window leaves it) into `num_splits` equal runs of whole
+tiles, one program each. Each program writes its rows' unnormalised output, running max and sum for its run, and a
+second kernel combines the runs (weights exp(max_s - max)). Without it a batch-1 decode over a long context runs
+num_kv_heads programs on a GPU with 100+ multiprocessors. A CUDA graph picks its split count for the longest context
+its block tables hold (cuda_graphs.py); every replay divides each sequence's actual keys among those splits.
 
 Set TRITON_INTERPRET=1 before this module is imported to run the kernel on a CPU (the tests do).
 """
@@ -47,7 +47,7 @@ def _paged_attention_kernel(
     scale, softcap, window, block_size,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
-    part_out_ptr, part_ml_ptr, split_len, num_splits, SPLIT: tl.constexpr,
+    part_out_ptr, part_ml_ptr, num_splits, SPLIT: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -77,10 +77,11 @@ def _paged_attention_kernel(
     kv_begin = 0
     if USE_WINDOW:
         kv_begin = tl.maximum(first_pos + block_first - window + 1, 0) // BLOCK_N * BLOCK_N
-    if SPLIT:  # this program's range of keys (split_len is a multiple of BLOCK_N: tiles stay aligned)
+    if SPLIT:  # this program's share of the keys this sequence sees, whole tiles from kv_begin (tiles stay aligned)
         split = tl.program_id(1)
-        kv_begin = tl.maximum(kv_begin, split * split_len)
-        kv_end = tl.minimum(kv_end, (split + 1) * split_len)
+        split_len = tl.cdiv(tl.cdiv(kv_end - kv_begin, num_splits), BLOCK_N) * BLOCK_N
+        kv_begin = kv_begin + split * split_len
+        kv_end = tl.minimum(kv_end, kv_begin + split_len)
 
     m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M * GROUP_PAD], dtype=tl.float32)
@@ -178,8 +179,9 @@ def paged_attention(
     """q [T, H, D] (sequence i's tokens are rows query_start_loc[i]:query_start_loc[i+1], the last ones of its
     context of context_lens[i] keys); kv_cache [2, num_blocks, H_kv, block_size, D] already holding this step's
     K/V; block_tables [num_seqs, W]. -> [T, H, D]. max_query_len (a host int) sizes the grid only.
-    max_context_len: at least the longest context_lens entry (a host int; 0: unknown); with it an all-decode step may
-    split its keys (decode_splits). num_splits: force that many splits of an all-decode step (tests; 1: none)."""
+    max_context_len: the longest context_lens entry, or more (a host int; 0: unknown): what decode_splits sizes an
+    all-decode step's splits for. Each sequence divides the keys it sees among the splits itself. num_splits: force
+    that many splits of an all-decode step (tests; 1: none)."""
     _, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = layer_dims(kv_cache)
     if num_heads % num_kv_heads:
@@ -197,15 +199,11 @@ def paged_attention(
         splits = num_splits or decode_splits(num_seqs, num_kv_heads, max_context_len, _num_multiprocessors(q.device))
     block_d = max(16, triton.next_power_of_2(head_dim))
     if splits > 1:
-        if max_context_len < 1:  # the ranges must cover every key: a guess would drop some silently
-            raise ValueError("a split decode step needs max_context_len >= every context length")
-        # Every split the same whole number of tiles; the last ones may hold no key of a shorter sequence.
-        split_len = triton.cdiv(triton.cdiv(max_context_len, splits), block_n) * block_n
         part_out = torch.empty((q.shape[0], num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((q.shape[0], num_heads, splits, 2), dtype=torch.float32, device=q.device)
         grid = (num_seqs, splits, num_kv_heads)
     else:
-        split_len, part_out, part_ml = 0, out, out  # unused: SPLIT is off
+        part_out, part_ml = out, out  # unused: SPLIT is off
         grid = (num_seqs, triton.cdiv(max_query_len, block_m), num_kv_heads)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _paged_attention_kernel[grid](
@@ -215,7 +213,7 @@ def paged_attention(
         head_dim ** -0.5 if scale is None else scale, softcap or 1.0, window or 0, block_size,
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, GROUP_PAD=group_pad,
         BLOCK_M=block_m, BLOCK_N=block_n, USE_SOFTCAP=softcap is not None, USE_WINDOW=window is not None,
-        part_out_ptr=part_out, part_ml_ptr=part_ml, split_len=split_len, num_splits=splits, SPLIT=splits > 1,
+        part_out_ptr=part_out, part_ml_ptr=part_ml, num_splits=splits, SPLIT=splits > 1,
     )  # fmt: skip
     if splits > 1:
         _combine_splits_kernel[(q.shape[0], num_heads)](
