@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flotilla.engine import kv_swap
 from flotilla.engine.kv_swap import BlockRun, KVSwapper, block_runs
 from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.model.kv_cache import allocate_kv_cache
@@ -36,7 +37,11 @@ def _pools(num_device_blocks=12, num_host_blocks=10, seed=0):
     return device, host
 
 
-def test_swap_out_and_in_of_one_step_reuse_the_freed_device_blocks():
+@pytest.mark.parametrize("staged", [True, False])
+def test_swap_out_and_in_of_one_step_reuse_the_freed_device_blocks(staged, monkeypatch):
+    """staged False: a swap-out past the staging bound copies straight to the host, before the swap-ins."""
+    if not staged:
+        monkeypatch.setattr(kv_swap, "STAGING_MAX_BYTES", 0)
     device, host = _pools()
     device_before = [layer.clone() for layer in device]
     host_before = [layer.clone() for layer in host]
@@ -86,3 +91,11 @@ def test_layer_counts_must_match():
     device, host = _pools()
     with pytest.raises(ValueError, match="layers"):
         KVSwapper(device, host[:-1])
+
+
+def test_a_host_block_swapped_in_from_and_out_to_in_one_step_is_refused():
+    device, host = _pools()
+    before = [t.clone() for t in device + host]
+    with pytest.raises(ValueError, match=r"host blocks \[2\]"):
+        KVSwapper(device, host).apply([BlockCopy(3, 2)], [BlockCopy(2, 5)])
+    assert all(torch.equal(a, b) for a, b in zip(device + host, before))  # refused before anything moved

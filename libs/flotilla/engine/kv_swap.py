@@ -14,8 +14,13 @@ refilled (a later swap-out) only after the copy that read it. Host pools on CUDA
 in from host blocks that another swaps out into in the same step (it swaps out first; see
 `Scheduler._preempt_batch_for`).
 
-Elsewhere (a CPU) the same three steps run at once, in order. Consecutive block ids on both sides (a request's
-blocks often are) move in one copy per layer and K/V half instead of one per block.
+Staging is bounded (STAGING_MAX_BYTES): a larger swap-out, or one the device has no room to stage, copies its blocks
+straight to the host before the swap-ins, and the step then waits for those copies too. A step's swap-in sources
+and swap-out destinations are disjoint host blocks (the scheduler's contract, checked here), so either order is
+safe.
+
+Elsewhere (a CPU) the same steps run at once, in order. Consecutive block ids on both sides (a request's blocks
+often are) move in one copy per layer and K/V half instead of one per block.
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ from typing import NamedTuple
 import torch
 
 from flotilla.engine.scheduler_output import BlockCopy
+
+# Device memory a swap-out may stage at once. Staged memory freed by the side stream stays cached for that stream,
+# out of the compute stream's reach: a bound keeps that small beside a KV pool that takes most of the device.
+STAGING_MAX_BYTES = 256 << 20
 
 
 class BlockRun(NamedTuple):
@@ -67,23 +76,39 @@ class KVSwapper:
         side = self._side_stream
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(side.device))
+        reused = {copy.src for copy in swap_in} & {copy.dst for copy in swap_out}
+        if reused:
+            raise ValueError(f"host blocks {sorted(reused)} are both swapped in from and out to in one step")
         with torch.cuda.stream(side) if side is not None else nullcontext():
             staged = self._gather([copy.src for copy in swap_out])
+            if staged is None:  # no staging: straight to the host, before the swap-ins overwrite freed blocks
+                _copy_runs(self.host_caches, self.device_caches, block_runs(swap_out))
             _copy_runs(self.device_caches, self.host_caches, block_runs(swap_in))
             if side is not None:
                 ready = torch.cuda.Event()
                 ready.record(side)
-            _copy_runs(self.host_caches, staged, block_runs([(i, copy.dst) for i, copy in enumerate(swap_out)]))
+            if staged is not None:
+                _copy_runs(self.host_caches, staged, block_runs([(i, copy.dst) for i, copy in enumerate(swap_out)]))
         if side is not None:
             # The staging tensors were allocated on the side stream: the caching allocator reuses their memory
             # only for work queued after the copies that read them.
             torch.cuda.current_stream(side.device).wait_event(ready)
 
-    def _gather(self, device_blocks: list[int]) -> list[torch.Tensor]:
+    def _gather(self, device_blocks: list[int]) -> list[torch.Tensor] | None:
+        """The blocks of every layer in staging tensors; None where they would pass STAGING_MAX_BYTES or the device
+        has no room for them."""
         if not device_blocks:
             return []
-        index = torch.tensor(device_blocks, dtype=torch.int64, device=self.device_caches[0].device)
-        return [layer.index_select(1, index) for layer in self.device_caches]
+        layer = self.device_caches[0]
+        if len(device_blocks) * len(self.device_caches) * layer[:, 0].numel() * layer.element_size() > STAGING_MAX_BYTES:
+            return None
+        index = torch.tensor(device_blocks, dtype=torch.int64)
+        if layer.device.type == "cuda":  # pinned, so that its copy does not wait for the side stream's earlier copies
+            index = index.pin_memory().to(layer.device, non_blocking=True)
+        try:
+            return [cache.index_select(1, index) for cache in self.device_caches]
+        except torch.OutOfMemoryError:
+            return None
 
 
 def _copy_runs(dst_caches: Sequence[torch.Tensor], src_caches: Sequence[torch.Tensor], runs: list[BlockRun]) -> None:
