@@ -159,3 +159,45 @@ def test_gemma_checkpoints_check_and_load_as_gemma(checkpoint_factory, kind):
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     assert tied == (kind == "gemma3_tied")
     assert model.model.layers[0].post_feedforward_layernorm.weight.abs().sum() > 0  # loaded, not the zero init
+
+
+class _FakeCudart:
+    """Stands in for torch.cuda.cudart() on a CPU: records what is registered and unregistered."""
+
+    def __init__(self, status=0):
+        self.status, self.registered, self.unregistered = status, [], []
+
+    def cudaHostRegister(self, ptr, size, flags):  # noqa: N802 - CUDA's name
+        self.registered.append((ptr, size, flags))
+        return self.status
+
+    def cudaHostUnregister(self, ptr):  # noqa: N802
+        self.unregistered.append(ptr)
+        return 0
+
+
+def test_a_pinned_host_pool_is_locked_at_its_size_until_its_last_view_goes(monkeypatch):
+    """cudaHostRegister of exactly the pool's bytes (torch's pinned allocator would round them up to a power of
+    two), held while any layer view lives."""
+    import gc
+
+    cudart = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    caches = allocate_kv_cache(CONFIG, num_blocks=5, block_size=4, dtype=torch.float32, device=CPU, pin_memory=True)
+    pool = kv_pool_tensor(caches)
+    [(ptr, size, _)] = cudart.registered
+    assert (ptr, size) == (pool.data_ptr(), pool.numel() * 4) and size & (size - 1)  # not a power of two
+    assert pool.abs().sum() == 0
+    del pool
+    last = caches.pop()
+    del caches
+    gc.collect()
+    assert cudart.unregistered == []  # one view still holds it
+    del last
+    gc.collect()
+    assert cudart.unregistered == [ptr]
+
+
+def test_pinning_is_for_host_pools_only():
+    with pytest.raises(ValueError, match="host pool"):
+        allocate_kv_cache(CONFIG, 5, 4, torch.float32, torch.device("meta"), pin_memory=True)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
 from flotilla.engine.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 def allocate_kv_cache(
@@ -21,12 +24,51 @@ def allocate_kv_cache(
     """Per-layer views [2, num_blocks, num_kv_heads, block_size, head_dim] (`layer_shape`) of ONE zeroed pool
     tensor [num_layers, 2, ...], so that the whole pool can be registered for transfer once
     (`kv_pool_tensor(kv_caches)` gives it back). `pin_memory` (host pools only, needs CUDA) makes
-    copies between a host swap pool and the GPU asynchronous."""
+    copies between a host swap pool and the GPU asynchronous (`_pinned_layers`)."""
     if num_blocks < 1 or block_size < 1:
         raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
     shape = (config.num_layers, *layer_shape(num_blocks, block_size, config.num_kv_heads, config.head_dim))
-    pool = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
-    return list(pool.unbind(0))
+    if pin_memory:
+        if device.type != "cpu":
+            raise ValueError(f"only a host pool can be pinned, not one on {device}")
+        return _pinned_layers(shape, dtype)
+    return list(torch.zeros(shape, dtype=dtype, device=device).unbind(0))
+
+
+def _pinned_layers(shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+    """The per-layer views of a zeroed host pool in page-locked memory of exactly its size. torch's pinned
+    allocator rounds every block up to the next power of two (torch 2.13, CachingHostAllocator: a 40 GiB swap pool
+    would lock 64 GiB of the host's memory), so the pool is ordinary memory locked with cudaHostRegister. The
+    registration is held by every view and undone when the last one goes. Where registering fails, torch's pinned
+    allocator is used instead, and a warning says so."""
+    pool = torch.zeros(shape, dtype=dtype)
+    try:
+        registration = _HostRegistration(pool)
+    except (RuntimeError, AttributeError, AssertionError) as error:  # no CUDA here, or the driver refused
+        log.warning("host KV pool: cudaHostRegister failed (%s); using torch's pinned allocator, which rounds the "
+                    "pool's %d bytes up to a power of two", error, pool.numel() * pool.element_size())
+        return list(torch.zeros(shape, dtype=dtype, pin_memory=True).unbind(0))
+    layers = list(pool.unbind(0))
+    for layer in layers:
+        layer.host_registration = registration  # the pool stays locked while any view is alive
+    return layers
+
+
+class _HostRegistration:
+    """cudaHostRegister of a tensor's memory for as long as this object lives (it keeps the tensor alive too)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        cudart = torch.cuda.cudart()
+        status = cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
+        if int(status) != 0:
+            raise RuntimeError(f"cudaHostRegister returned {status}")
+        self.tensor, self._unregister = tensor, cudart.cudaHostUnregister
+
+    def __del__(self) -> None:
+        try:
+            self._unregister(self.tensor.data_ptr())
+        except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone already; nothing to undo then
+            pass
 
 
 def layer_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
