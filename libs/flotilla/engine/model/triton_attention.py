@@ -20,6 +20,7 @@ Set TRITON_INTERPRET=1 before this module is imported to run the kernel on a CPU
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -155,6 +156,7 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_mu
     return max(1, min(wanted, max_context_len // MIN_SPLIT_KEYS, MAX_SPLITS))
 
 
+@functools.cache
 def _num_multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
         return 1  # the interpreter: split only when asked (num_splits)
