@@ -3,6 +3,8 @@
 On random Llama-style checkpoints of real shapes (~1B and ~8B parameters, bf16, drawn on the device) it reports:
 - split-K decode: the split kernel against the torch path, and one sequence over an 8,192-token context unsplit and
   split (loadtest/common/gpu_split_decode.py);
+- swap copies on their side stream: swapped-out blocks overwritten and swapped-in blocks read on the compute stream
+  at once, staged and unstaged (loadtest/common/gpu_swap_check.py);
 - exactness on the 1B: fp32 greedy equal to transformers' fp32 greedy on the same GPU; bf16 greedy agreement with
   transformers' bf16 (and transformers' bf16 with its own fp32, for scale); an fp8 KV cache against the bf16 one
   (greedy agreement, largest logprob error of the tokens both chose); swap preemption to pinned host memory
@@ -38,6 +40,7 @@ from loadtest.common.device_floors import matmul_tflops, memory_bandwidth_gb_s
 from loadtest.common.gpu_exactness import agreement, exactness, kernel_check
 from loadtest.common.gpu_runs import Plan, free
 from loadtest.common.gpu_split_decode import split_decode_check
+from loadtest.common.gpu_swap_check import swap_stream_check
 from loadtest.common.gpu_throughput import engine_performance, floors, transformers_performance
 from loadtest.common.random_llama import write_random_llama
 
@@ -83,6 +86,7 @@ def run(args: argparse.Namespace) -> dict:
     if device.type == "cuda":
         _section(report, "kernel", lambda: kernel_check(device))
     _section(report, "split_decode", lambda: split_decode_check(device))
+    _section(report, "swap_streams", lambda: swap_stream_check(device))
     with tempfile.TemporaryDirectory(dir=args.work_dir, prefix="gpu-check-") as tmp:
         exact_dir = write_random_llama(Path(tmp) / plan.exact_size, plan.exact_size, device, seed=args.seed)
         _section(report, "exactness", lambda: exactness(exact_dir, device, plan, args.seed))

@@ -32,6 +32,8 @@ def test_dry_run_reports_every_figure(tmp_path, capsys):
     split = report["split_decode"]  # tests/conftest.py sets TRITON_INTERPRET=1: the split kernel runs
     assert split["max_abs_error_float32_forced"] < 1e-4 and split["max_abs_error_float32_window_forced"] < 1e-4
     assert split["batch1_ms_unsplit"] > 0 and split["batch1_ms_split"] > 0
+    swaps = report["swap_streams"]
+    assert swaps["staged"]["equal"] and swaps["unstaged"]["equal"] and swaps["rounds"] > 0
 
 
 def test_agreement_counts_tokens_before_the_first_difference():
