@@ -2,7 +2,7 @@
 synchronously. Each round swaps a request's worth of blocks out, overwrites the freed device blocks on the compute
 stream at once, swaps the blocks back into other device blocks and reads them on the compute stream at once: had
 the compute stream not waited for the side stream's gather or swap-in, it would overwrite blocks before they were
-read, or read them before they landed. The host pool is locked as the engine locks it (kv_cache._pinned_layers).
+read, or read them before they landed. Both pools come from allocate_kv_cache, as the engine's do.
 Rounds run with staging and without (a swap-out past the staging bound copies straight to the host)."""
 
 from __future__ import annotations
@@ -17,18 +17,24 @@ DRY_SHAPE = dict(layers=2, blocks=12, moved=4, heads=(2, 4, 8), rounds=2)
 
 def swap_stream_check(device: torch.device) -> dict:
     from flotilla.engine import kv_swap
-    from flotilla.engine.model import kv_cache
+    from flotilla.engine.model.config import ModelConfig
+    from flotilla.engine.model.kv_cache import allocate_kv_cache
     from flotilla.engine.scheduler_output import BlockCopy
 
     shape = FULL_SHAPE if device.type == "cuda" else DRY_SHAPE
     num_kv_heads, block_size, head_dim = shape["heads"]
+    # Pools allocated as the engine allocates them (on CUDA the host one locked with cudaHostRegister)
+    config = ModelConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": num_kv_heads * head_dim,
+        "intermediate_size": 32, "num_hidden_layers": shape["layers"], "num_attention_heads": num_kv_heads,
+        "num_key_value_heads": num_kv_heads, "max_position_embeddings": 64,
+    })
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    layer = kv_cache.layer_shape(shape["blocks"], block_size, num_kv_heads, head_dim)
-    generator = torch.Generator().manual_seed(2)
-    device_caches = [torch.randn(layer, generator=generator).to(device, dtype) for _ in range(shape["layers"])]
-    host_shape = (shape["layers"], *kv_cache.layer_shape(shape["moved"], block_size, num_kv_heads, head_dim))
-    host_caches = (kv_cache._pinned_layers(host_shape, dtype) if device.type == "cuda"
-                   else list(torch.zeros(host_shape, dtype=dtype).unbind(0)))
+    device_caches = allocate_kv_cache(config, shape["blocks"], block_size, dtype, device)
+    for cache in device_caches:
+        cache.copy_(torch.randn(cache.shape, device=device, dtype=dtype))
+    host_caches = allocate_kv_cache(config, shape["moved"], block_size, dtype, torch.device("cpu"),
+                                    pin_memory=device.type == "cuda")
     swapper = kv_swap.KVSwapper(device_caches, host_caches)
     block_bytes = device_caches[0][:, 0].numel() * device_caches[0].element_size()
     result: dict = {"rounds": shape["rounds"], "bytes_a_swap": shape["moved"] * shape["layers"] * block_bytes}

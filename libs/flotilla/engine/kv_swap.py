@@ -10,14 +10,12 @@ stream (earlier steps wrote what is gathered), and the compute stream waits only
 step 2, so the device-to-host copies of a swap-out cross PCIe while the step computes. One side stream keeps
 every swap in issue order: a host block is read (swap-in) only after the copy that filled it has landed and is
 refilled (a later swap-out) only after the copy that read it. Host pools on CUDA are pinned
-(`allocate_kv_cache(pin_memory=True)`), so the host copies are asynchronous. The scheduler never swaps a request
-in from host blocks that another swaps out into in the same step (it swaps out first; see
-`Scheduler._preempt_batch_for`).
+(`allocate_kv_cache(pin_memory=True)`), so the host copies are asynchronous.
 
 Staging is bounded (STAGING_MAX_BYTES): a larger swap-out, or one the device has no room to stage, copies its blocks
 straight to the host before the swap-ins, and the step then waits for those copies too. A step's swap-in sources
-and swap-out destinations are disjoint host blocks (the scheduler's contract, checked here), so either order is
-safe.
+and swap-out destinations are disjoint host blocks (the scheduler's contract, `Scheduler._preempt_batch_for`;
+checked here), so either order is safe.
 
 Elsewhere (a CPU) the same steps run at once, in order. Consecutive block ids on both sides (a request's blocks
 often are) move in one copy per layer and K/V half instead of one per block.
@@ -73,12 +71,12 @@ class KVSwapper:
         device blocks are safe for the caller's stream to overwrite (swap_out) and read (swap_in)."""
         if not swap_out and not swap_in:
             return
-        side = self._side_stream
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream(side.device))
         reused = {copy.src for copy in swap_in} & {copy.dst for copy in swap_out}
         if reused:
             raise ValueError(f"host blocks {sorted(reused)} are both swapped in from and out to in one step")
+        side = self._side_stream
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(side.device))
         with torch.cuda.stream(side) if side is not None else nullcontext():
             staged = self._gather([copy.src for copy in swap_out])
             if staged is None:  # no staging: straight to the host, before the swap-ins overwrite freed blocks

@@ -124,7 +124,7 @@ class ModelRunner:
         return hidden
 
     def _move_blocks(self, scheduler_output: SchedulerOutput) -> None:
-        if self.swapper is not None:  # swap_out first: its device blocks may be this step's swap-in targets
+        if self.swapper is not None:  # in kv_swap's order: a swap-out's blocks may be this step's swap-in targets
             self.swapper.apply(scheduler_output.swap_out, scheduler_output.swap_in)
         elif scheduler_output.swap_out or scheduler_output.swap_in:
             raise RuntimeError("the scheduler swapped blocks but this runner has no host pool")

@@ -99,7 +99,8 @@ class AttentionMetadata:
     # Set (and decode_groups/prefills left empty) when the Triton kernel runs the whole step (triton_attention.py)
     query_start_loc: torch.Tensor | None = None  # [num_seqs + 1] each sequence's first row in the input
     max_query_len: int = 0
-    max_context_len: int = 0  # the longest context of the step (0: not known, as in a CUDA graph's replays)
+    # The longest context of the step, or more (a CUDA graph's: what its tables hold); 0: unknown
+    max_context_len: int = 0
     # [T * H_kv] where each new token's K/V rows go (kv_cache.cache_rows): set once per forward (with_cache_rows),
     # since every layer's cache has the same shape; None: paged_attention computes them
     cache_rows: torch.Tensor | None = None

@@ -36,7 +36,8 @@ DECODE_ROWS = 1 if _INTERPRETED else 16
 PREFILL_ROWS = 16 if _INTERPRETED else 64
 BLOCK_N = 16 if _INTERPRETED else 64
 # Split-K decode: aim at twice as many programs as the GPU has multiprocessors, never fewer than MIN_SPLIT_KEYS keys
-# a split (a split's fixed cost: its rows' loads and the combine's reads), at most MAX_SPLITS splits.
+# a split at the step's longest context (a split's fixed cost: its rows' loads and the combine's reads; shorter
+# sequences of the step get shorter runs), at most MAX_SPLITS splits.
 MIN_SPLIT_KEYS = 256
 MAX_SPLITS = 16
 
@@ -148,9 +149,9 @@ def _combine_splits_kernel(
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_multiprocessors: int) -> int:
-    """Key ranges per (sequence, KV head) for an all-decode step: enough programs for twice the multiprocessors,
-    each range at least MIN_SPLIT_KEYS keys, at most MAX_SPLITS; 1 when the step fills the GPU already or its
-    contexts are short (or unknown: max_context_len 0)."""
+    """Splits per (sequence, KV head) for an all-decode step: enough programs for twice the multiprocessors, at
+    least MIN_SPLIT_KEYS keys a split at max_context_len, at most MAX_SPLITS; 1 when the step fills the GPU already
+    or its contexts are short (or unknown: max_context_len 0)."""
     programs = num_seqs * num_kv_heads
     wanted = -(-2 * num_multiprocessors // max(programs, 1))
     return max(1, min(wanted, max_context_len // MIN_SPLIT_KEYS, MAX_SPLITS))
