@@ -28,7 +28,7 @@ from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.model.kv_cache import num_blocks_for_budget
 from flotilla.engine.model.loader import load_model
 from flotilla.engine.model.rope import prompt_length_key
-from flotilla.engine.model_runner import ModelRunner
+from flotilla.engine.model_runner import ModelRunner, PendingStep
 from flotilla.engine.new_request import NewRequest
 from flotilla.engine.outputs import EngineStats, RequestOutput
 from flotilla.engine.request import FinishReason, Priority, Request
@@ -101,6 +101,9 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         # Requests whose blocks remote_prefill.try_reserve holds outside the scheduler (a remote prefill).
         self.reserved_request_ids: set[str] = set()
+        overlap = config.overlap_output_processing
+        self.overlap_output_processing = self.device.type == "cuda" if overlap is None else overlap
+        self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None  # launched, not yet collected
         self._num_preemptions = 0
         self._last_step_seconds = 0.0
         self._num_prompt_tokens_total = 0
@@ -207,47 +210,93 @@ class LLMEngine:
         return self.scheduler.abort_request(request_id) is not None
 
     def has_unfinished_requests(self) -> bool:
+        # A launched step's live requests are the scheduler's still; one whose every request has been aborted since
+        # it was launched has nothing to deliver, and the next step() collects it before anything else.
         return self.scheduler.has_unfinished_requests
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step: schedule, run, and the outputs of the step whose tokens came back.
+
+        Without overlap: schedule -> launch -> collect -> update -> finishes -> text, all for this step. With
+        overlap_output_processing, a call first collects the step the last call launched (waiting for its token
+        ids), applies them and the finishes that need no text (EOS, stop token ids, length, a complete grammar) so
+        that the next schedule sees them, schedules and launches the next step, and only then makes the collected
+        step's text (detokenizing, stop strings) and outputs while the device runs. A request that a stop string
+        ends there is already in the launched step: its row of that step is dropped when it comes back (the
+        request is no longer running), and the KV written for it lands in blocks already freed, which any later
+        step (queued behind it on the same stream) overwrites."""
         started = time.perf_counter()
         self.release_expired_quarantine()
+        collected = self._collect_in_flight()  # with overlap: the step the last call launched
         scheduler_output = self.scheduler.schedule()
         self._num_preemptions += len(scheduler_output.preempted)
         if scheduler_output.is_empty and not scheduler_output.swap_out:
             self._last_step_seconds = 0.0
-            return []
-        runner_output = self.runner.execute(scheduler_output)
-        self.scheduler.update_from_output(scheduler_output, runner_output)
-        outputs = self._emit(scheduler_output, runner_output)
+            return self._emit(collected)
+        self._in_flight = (scheduler_output, self.runner.launch(scheduler_output))
+        outputs = self._emit(collected)
+        if not self._overlaps():
+            outputs += self._emit(self._collect_in_flight())
         self._last_step_seconds = time.perf_counter() - started
         self.scheduler.observe_step(self._last_step_seconds, len(scheduler_output.chunks))
         return outputs
 
-    def _emit(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
-        outputs = []
+    def _overlaps(self) -> bool:
+        """Whether a launched step is left running past this call (a KV-transfer hook ships a step's K/V as it
+        runs and wants the step done within it)."""
+        return self.overlap_output_processing and self.runner.kv_hook is None
+
+    def _collect_in_flight(self) -> list[tuple[_Tracked, int, bool, ModelRunnerOutput]]:
+        """Waits for the launched step, applies its tokens and the finishes that need no text. Returns, per
+        request still tracked, (tracked, token id, grammar complete, the step's output) for _emit."""
+        if self._in_flight is None:
+            return []
+        scheduler_output, pending = self._in_flight
+        self._in_flight = None
+        runner_output = pending.collect()
+        self.scheduler.update_from_output(scheduler_output, runner_output)
+        launched = {chunk.request.request_id: chunk.request for chunk in scheduler_output.chunks}
+        collected = []
         for request_id, token_id in runner_output.sampled_token_ids.items():
             tracked = self._tracked.get(request_id)
-            if tracked is None:  # aborted while the step ran
-                continue
-            outputs.append(self._advance(tracked, token_id, runner_output))
-        return outputs
+            if tracked is None or tracked.request is not launched[request_id]:
+                continue  # aborted (and perhaps its id reused) since the launch
+            request = tracked.request
+            self._num_output_tokens_total += 1
+            grammar_complete = False
+            if request.grammar is not None:  # before the next step's masks are computed
+                request.grammar.consume_token(token_id)
+                grammar_complete = request.grammar.is_stopped()
+            reason = tracked.stop_checker.finish_without_text(token_id, grammar_complete)
+            if reason is not None:  # out of the next schedule; _advance still makes its last output
+                self.scheduler.finish_request(request.request_id, reason)
+            collected.append((tracked, token_id, grammar_complete, runner_output))
+        return collected
 
-    def _advance(self, tracked: _Tracked, token_id: int, runner_output: ModelRunnerOutput) -> RequestOutput:
+    def _emit(self, collected: list[tuple[_Tracked, int, bool, ModelRunnerOutput]]) -> list[RequestOutput]:
+        return [self._advance(tracked, token_id, runner_output, grammar_complete)
+                for tracked, token_id, grammar_complete, runner_output in collected]
+
+    def _advance(self, tracked: _Tracked, token_id: int, runner_output: ModelRunnerOutput,
+                 grammar_complete: bool | None = None) -> RequestOutput:
+        """The token's text and output. grammar_complete None: the token is new here (a remote prefill's first
+        token): counted, and fed to the grammar, as _collect_in_flight does for a step's tokens."""
         request = tracked.request
-        self._num_output_tokens_total += 1
-        grammar_complete = False
-        if request.grammar is not None:
-            # The token came from the masked logits (here, or on the prefill worker under the same grammar).
-            request.grammar.consume_token(token_id)
-            grammar_complete = request.grammar.is_stopped()
+        if grammar_complete is None:
+            self._num_output_tokens_total += 1
+            grammar_complete = False
+            if request.grammar is not None:
+                # The token came from the masked logits (on the prefill worker under the same grammar).
+                request.grammar.consume_token(token_id)
+                grammar_complete = request.grammar.is_stopped()
         decision = tracked.stop_checker.after_token(token_id, tracked.detokenizer.push([token_id]), grammar_complete)
         text = decision.text_delta
         if decision.finish_reason is not None:
             if not isinstance(decision.stop_reason, str):  # a stop string cuts the text; anything else flushes
                 text += tracked.stop_checker.finish_with(tracked.detokenizer.flush())
             self.scheduler.finish_request(request.request_id, decision.finish_reason)
+            request.finish_reason = decision.finish_reason  # a stop string outranks the reason found without text
             del self._tracked[request.request_id]
         logprobs = runner_output.logprobs.get(request.request_id)
         return RequestOutput(

@@ -66,10 +66,10 @@ def mask_logits(logits: torch.Tensor, rows: Sequence[int], matchers: Sequence[An
     _executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.ctypes.data, words * 4,
                                       len(rows))
     bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little", count=logits.shape[1])
-    disallowed = torch.from_numpy(bits).to(logits.device) == 0
+    disallowed = torch.from_numpy(bits).to(logits.device, non_blocking=True) == 0  # no wait for the forward
     if list(rows) == list(range(logits.shape[0])):  # every row constrained: no gather, no scatter
         return logits.masked_fill(disallowed, float("-inf"))
-    index = torch.tensor(list(rows), device=logits.device)
+    index = torch.tensor(list(rows)).to(logits.device, non_blocking=True)
     masked = logits.clone()
     masked[index] = logits[index].masked_fill_(disallowed, float("-inf"))
     return masked

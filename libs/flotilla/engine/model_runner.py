@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -14,7 +14,7 @@ from flotilla.engine.model.kv_cache import allocate_kv_cache, copy_blocks
 from flotilla.engine.model.llama import LlamaForCausalLM
 from flotilla.engine.grammar_backend import mask_logits
 from flotilla.engine.kv_swap import KVSwapper
-from flotilla.engine.sampler import compute_logprobs, sample
+from flotilla.engine.sampler import compute_logprobs, sample_ids
 from flotilla.engine.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 
 
@@ -72,11 +72,17 @@ class ModelRunner:
         )
         self.swapper = KVSwapper(self.kv_caches, self.host_kv_caches) if num_host_blocks else None
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """The step, waited for: launch() then collect()."""
+        return self.launch(scheduler_output).collect()
+
+    @torch.inference_mode()
+    def launch(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        """Queue the step's work on the device and return without waiting for it: on a GPU the sampled token ids
+        come back through an asynchronous copy that PendingStep.collect() waits for (on a CPU it all ran here)."""
         self._move_blocks(scheduler_output)
         if scheduler_output.is_empty:  # a step may only swap out
-            return ModelRunnerOutput()
+            return PendingStep([], None, None, None)
         # Decode chunks first, shortest context first: the attention metadata batches runs of one-token
         # chunks of similar length into one call each.
         chunks = sorted(scheduler_output.chunks, key=lambda chunk: (chunk.num_tokens != 1, chunk.end))
@@ -88,17 +94,26 @@ class ModelRunner:
             hidden = self._forward(scheduler_output, chunks, hook)
         sampling = [i for i, chunk in enumerate(chunks) if chunk.samples]
         if not sampling:
-            return ModelRunnerOutput()
-        last_rows = torch.tensor(_last_rows(chunks, sampling), device=self.device)
+            return PendingStep([], None, None, None)
+        last_rows = torch.tensor(_last_rows(chunks, sampling)).to(self.device, non_blocking=True)
         logits = self.model.compute_logits(hidden[last_rows])
         requests = [chunks[i].request for i in sampling]
         # Structured outputs: constrained rows sample from masked logits; logprobs stay the model's own.
         constrained = [i for i, request in enumerate(requests) if request.grammar is not None]
         sampling_logits = mask_logits(logits, constrained, [requests[i].grammar for i in constrained]) if constrained else logits
-        token_ids = sample(sampling_logits, requests, self.default_seed)
-        output = ModelRunnerOutput(sampled_token_ids={r.request_id: t for r, t in zip(requests, token_ids)})
-        self._add_logprobs(output, logits, requests, token_ids)
-        return output
+        token_ids = sample_ids(sampling_logits, requests, self.default_seed)
+        wants_logprobs = any(r.sampling_params.logprobs is not None for r in requests)
+        return PendingStep(requests, token_ids, logits if wants_logprobs else None, self._copy_back(token_ids))
+
+    def _copy_back(self, token_ids: torch.Tensor) -> _HostCopy | None:
+        """On a GPU: the ids copied into pinned host memory behind the step's work, and an event after the copy."""
+        if token_ids.device.type != "cuda":
+            return None
+        host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+        host.copy_(token_ids, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return _HostCopy(host, done)
 
     def _replays(self, chunks: Sequence[ScheduledChunk]) -> bool:
         """An all-decode step that a captured graph holds (a KV-transfer hook needs the eager per-layer calls)."""
@@ -141,15 +156,41 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True),
         )
 
-    def _add_logprobs(self, output, logits, requests, token_ids) -> None:
+
+class _HostCopy(NamedTuple):
+    ids: torch.Tensor  # pinned, filled once `done` has passed
+    done: torch.cuda.Event
+
+
+class PendingStep:
+    """A launched step's sampled tokens, not yet read on the host (ModelRunner.launch)."""
+
+    def __init__(self, requests: Sequence, token_ids: torch.Tensor | None, logits: torch.Tensor | None,
+                 host_copy: _HostCopy | None):
+        self._requests = requests
+        self._token_ids = token_ids
+        self._logits = logits  # kept only when some request wants logprobs
+        self._host_copy = host_copy
+
+    @torch.inference_mode()
+    def collect(self) -> ModelRunnerOutput:
+        """Waits for the step (on a GPU, for its copy of the token ids) and returns its output."""
+        if self._token_ids is None:
+            return ModelRunnerOutput()
+        if self._host_copy is not None:
+            self._host_copy.done.synchronize()
+            token_ids = self._host_copy.ids.tolist()
+        else:
+            token_ids = self._token_ids.tolist()
+        requests = self._requests
+        output = ModelRunnerOutput(sampled_token_ids={r.request_id: t for r, t in zip(requests, token_ids)})
         wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
-        if not wanted:
-            return
-        values = compute_logprobs(
-            logits[wanted], [token_ids[i] for i in wanted], [requests[i].sampling_params.logprobs for i in wanted]
-        )
-        for i, value in zip(wanted, values):
-            output.logprobs[requests[i].request_id] = value
+        if wanted:
+            values = compute_logprobs(self._logits[wanted], [token_ids[i] for i in wanted],
+                                      [requests[i].sampling_params.logprobs for i in wanted])
+            for i, value in zip(wanted, values):
+                output.logprobs[requests[i].request_id] = value
+        return output
 
 
 def _num_original_prompt_tokens(request) -> int:

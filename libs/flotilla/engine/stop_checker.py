@@ -39,15 +39,27 @@ class StopChecker:
                 return self._finish(FinishReason.STOP, matched)
         else:
             self._unreleased += new_text
-        if token_id in params.stop_token_ids:
-            return self._finish(FinishReason.STOP, token_id)
-        if not params.ignore_eos and token_id in self._request.eos_token_ids:
-            return self._finish(FinishReason.STOP, token_id)
-        if grammar_complete:
-            return self._finish(FinishReason.STOP, None)
-        if self._request.num_output_tokens >= params.max_tokens or self._request.num_tokens >= self._max_model_len:
-            return self._finish(FinishReason.LENGTH, None)
+        reason, stop_reason = self._finish_without_text(token_id, grammar_complete)
+        if reason is not None:
+            return self._finish(reason, stop_reason)
         return StopDecision(None, None, self._releasable(final=False))
+
+    def finish_without_text(self, token_id: int, grammar_complete: bool = False) -> FinishReason | None:
+        """Whether the token (already appended to the request) ends it by what needs no text: a stop token id, EOS,
+        a complete grammar, or length. after_token() ends it then too, unless a stop string ended it first."""
+        return self._finish_without_text(token_id, grammar_complete)[0]
+
+    def _finish_without_text(self, token_id: int, grammar_complete: bool) -> tuple[FinishReason | None, int | None]:
+        params = self._request.sampling_params
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP, token_id
+        if not params.ignore_eos and token_id in self._request.eos_token_ids:
+            return FinishReason.STOP, token_id
+        if grammar_complete:
+            return FinishReason.STOP, None
+        if self._request.num_output_tokens >= params.max_tokens or self._request.num_tokens >= self._max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
 
     def replay(self, old_text: str) -> None:
         """A resumed stream: take the text of a token generated (and released) before, on another worker.
