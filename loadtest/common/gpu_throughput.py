@@ -39,6 +39,7 @@ def _timed_steps(engine: LLMEngine, prompts, new_tokens: int, device: torch.devi
 
 def engine_performance(model_dir: Path, device: torch.device, plan: Plan, seed: int) -> dict:
     engine = start_engine(model_dir, device, plan, cuda_graph_max_batch=plan.batch)
+    engine.overlap_output_processing = True  # the CUDA default, set so that a dry run on a CPU takes this path too
     _timed_steps(engine, random_prompts(2, plan.decode_prompt_len, seed + 9), 4, device)  # compiles the kernels
     one = random_prompts(1, plan.decode_prompt_len, seed + 1)
     steps, _, _ = _timed_steps(engine, one, plan.decode_new_tokens, device)
@@ -58,10 +59,24 @@ def engine_performance(model_dir: Path, device: torch.device, plan: Plan, seed: 
         "decode_tok_s_batch": tokens / max(seconds, 1e-9),
         "batch_end_to_end_tok_s": plan.batch * plan.batch_new_tokens / batch_seconds,
         "prefill_tok_s": plan.prefill_requests * plan.prefill_len / prefill_seconds,
+        "overlap_off": _decode_without_overlap(engine, plan, seed, device),
     }  # fmt: skip
     del engine
     free()
     return result
+
+
+def _decode_without_overlap(engine: LLMEngine, plan: Plan, seed: int, device: torch.device) -> dict:
+    """The decode runs again with each step's text made before the next step is launched (overlap_output_processing
+    off): what the overlap saves is the difference."""
+    engine.overlap_output_processing = False
+    steps, _, _ = _timed_steps(engine, random_prompts(1, plan.decode_prompt_len, seed + 4), plan.decode_new_tokens,
+                               device)
+    _, tokens, seconds = _timed_steps(engine, random_prompts(plan.batch, plan.batch_prompt_len, seed + 5),
+                                      plan.batch_new_tokens, device)
+    engine.overlap_output_processing = True
+    return {"decode_ms_per_token_batch1": statistics.median(steps[1:]) * 1e3,
+            "decode_tok_s_batch": tokens / max(seconds, 1e-9)}
 
 
 @torch.inference_mode()
