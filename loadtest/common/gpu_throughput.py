@@ -67,8 +67,8 @@ def engine_performance(model_dir: Path, device: torch.device, plan: Plan, seed: 
 
 
 def _decode_without_overlap(engine: LLMEngine, plan: Plan, seed: int, device: torch.device) -> dict:
-    """The decode runs again with each step's text made before the next step is launched (overlap_output_processing
-    off): what the overlap saves is the difference."""
+    """The decode runs again with each step read back before the next is scheduled (overlap_output_processing off):
+    what the overlap saves is the difference."""
     engine.overlap_output_processing = False
     steps, _, _ = _timed_steps(engine, random_prompts(1, plan.decode_prompt_len, seed + 4), plan.decode_new_tokens,
                                device)

@@ -48,12 +48,14 @@ def test_padded_inputs_reject_what_does_not_fit():
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
-@pytest.mark.parametrize("split_decode", [False, True])
-def test_triton_engine_with_decode_graph_buffers_matches_cpu_engine(tiny_checkpoint, monkeypatch, split_decode):
+@pytest.mark.parametrize(("split_decode", "overlap"), [(False, False), (True, False), (False, True)])
+def test_triton_engine_with_decode_graph_buffers_matches_cpu_engine(tiny_checkpoint, monkeypatch, split_decode,
+                                                                    overlap):
     """Prompts chunked over mixed prefill/decode steps (8 tokens a step), decode steps through the static buffers
     padded to a captured size, then a prefix hit; greedy tokens equal to the CPU engine's. split_decode: as on a
     GPU with 64 multiprocessors and 8-key splits, so that the graph buffers' decode steps split their keys.
-    (The interpreter takes ~0.2 s a kernel launch: few steps.)"""
+    overlap: overlap_output_processing, as on a GPU: decode rows whose token is still a placeholder read it from the
+    previous step's ids into the static buffers. (The interpreter takes ~0.2 s a kernel launch: few steps.)"""
     pytest.importorskip("triton")
     from flotilla.engine.model import triton_attention
 
@@ -69,14 +71,15 @@ def test_triton_engine_with_decode_graph_buffers_matches_cpu_engine(tiny_checkpo
                   max_num_batched_tokens=8)
     expected = [r.token_ids for r in LLMEngine(EngineConfig(**config)).generate(prompts, params)]
     monkeypatch.setattr(LLMEngine, "_graph_sizes", lambda self, model: [1, 4])
-    engine = LLMEngine(EngineConfig(**config, attention_backend="triton"))
+    engine = LLMEngine(EngineConfig(**config, attention_backend="triton", overlap_output_processing=overlap))
     assert engine.runner.graphs is not None and engine.runner.graphs.sizes == [1, 4]
     assert engine.runner.kv_caches[0].shape[1] == 33  # the spare block the padding writes into
     replays = []
     run = engine.runner.graphs.run
-    engine.runner.graphs.run = lambda rows: replays.append(len(rows)) or run(rows)
+    engine.runner.graphs.run = lambda rows, held=None: replays.append((len(rows), held is not None)) or run(rows, held)
     assert [r.token_ids for r in engine.generate(prompts, params)] == expected
-    assert replays and any(size not in (1, 4) for size in replays)  # at least one step was padded
+    assert replays and any(size not in (1, 4) for size, _ in replays)  # at least one step was padded
+    assert any(held for _, held in replays) == overlap  # placeholders written into the buffers on the device
     [again] = engine.generate([prompts[2]], params)
     assert again.token_ids == expected[2] and again.num_cached_prompt_tokens == 8
     assert (max(splits, default=1) > 1) == split_decode  # 64 keys the tables hold, 8 a split: 8 splits

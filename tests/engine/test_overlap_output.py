@@ -111,6 +111,65 @@ def test_abort_with_a_step_in_flight(engines, reference):
     assert overlap.stats().num_free_blocks == overlap.stats().num_total_blocks
 
 
+def test_next_step_is_launched_before_the_running_one_is_read(reference):
+    """Without grammars the next step goes out while the last one's tokens are still placeholders, its decode rows
+    reading them on the device; the streams still equal the synchronous order's."""
+    sync = _engine(reference.model_dir, overlap=False)
+    overlap = _engine(reference.model_dir, overlap=True)
+    rows = {}
+    for name, engine in (("sync", sync), ("overlap", overlap)):
+        launch = engine.runner.launch
+        engine.runner.launch = lambda so, *rest, _name=name, _launch=launch: (
+            rows.__setitem__(_name, rows.get(_name, 0) + len(so.chunks)) or _launch(so, *rest))
+    requests = [(f"p{i}", tuple(reference.prompts[i]), SamplingParams(max_tokens=12, temperature=0.0 if i % 2 else 0.8,
+                                                                     seed=i, ignore_eos=True)) for i in range(6)]
+    for request_id, prompt, params in requests:
+        overlap.add_request(NewRequest(request_id, prompt, params))
+    awaiting, streams = 0, {request_id: [] for request_id, _, _ in requests}
+    while overlap.has_unfinished_requests():
+        for out in overlap.step():
+            streams[out.request_id] += out.new_token_ids
+        awaiting = max(awaiting, sum(r.awaits_token for r in overlap.scheduler.requests.values()))
+    assert awaiting == len(requests)  # every decoding request had a token on the device between calls
+    assert streams == {k: [t for item in v for t in item[0]] for k, v in _stream(sync, requests).items()}
+    assert rows["overlap"] == rows["sync"]  # no row past a request's last token (max_tokens known ahead)
+    assert overlap.check_integrity()
+    assert overlap.stats().num_free_blocks == overlap.stats().num_total_blocks
+
+
+def test_blocks_filled_by_a_placeholder_reach_the_prefix_cache(reference):
+    """A block whose last token was a placeholder when its step was scheduled is published once the id is read, under
+    the real token's hash: the next turn of the conversation hits it as with the synchronous order."""
+    hits = []
+    for overlap in (False, True):
+        engine = _engine(reference.model_dir, overlap=overlap)
+        prompt = tuple(reference.prompts[2][:40])
+        [first] = engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+        [second] = engine.generate([prompt + tuple(first.token_ids) + (7, 8)],
+                                   SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        hits.append(second.num_cached_prompt_tokens)
+    assert hits[0] == hits[1] >= 64  # blocks past the 40-token prompt, filled with outputs, were hits
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_with_a_step_in_flight(reference, mode):
+    """A pool too small for the batch: requests are preempted (some while their token is on the device) and resume;
+    every stream equals the synchronous order's."""
+    def small(overlap: bool) -> LLMEngine:
+        return LLMEngine(EngineConfig(model_dir=reference.model_dir, num_kv_blocks=14, block_size=16,
+                                      max_num_batched_tokens=256, preemption_mode=mode,
+                                      num_host_kv_blocks=64 if mode == "swap" else 0,
+                                      overlap_output_processing=overlap))
+
+    requests = [(f"q{i}", tuple(reference.prompts[i][:60]), SamplingParams(max_tokens=40, temperature=0.0,
+                                                                           ignore_eos=True)) for i in range(1, 7)]
+    sync, overlap = small(False), small(True)
+    expected = _stream(sync, requests)
+    assert _stream(overlap, requests) == expected
+    assert sync.stats().num_preemptions > 0 and overlap.stats().num_preemptions > 0
+    assert overlap.check_integrity()
+
+
 def test_overlap_defaults_on_for_cuda_only(reference):
     engine = LLMEngine(EngineConfig(model_dir=reference.model_dir, num_kv_blocks=8, block_size=16))
     assert engine.overlap_output_processing is False  # a CPU: nothing would run beside the host

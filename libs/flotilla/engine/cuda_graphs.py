@@ -138,8 +138,9 @@ class DecodeGraphs:
     def bucket_for(self, batch: int) -> int | None:
         return bucket_for(batch, self.sizes)
 
-    def run(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
-        """Hidden states [len(rows), hidden] of one decode step, replayed from the graph of the next size up."""
+    def run(self, rows: Sequence[DecodeRow], placeholders=None) -> torch.Tensor:
+        """Hidden states [len(rows), hidden] of one decode step, replayed from the graph of the next size up.
+        placeholders (model_runner.Placeholders): token ids written on the device over the rows' host ones."""
         bucket = self.bucket_for(len(rows))
         if bucket is None:
             raise ValueError(f"no captured size holds {len(rows)} rows (largest {self.sizes[-1]})")
@@ -148,6 +149,8 @@ class DecodeGraphs:
         for name, tensor in host.items():
             target = static.inputs[name]
             (target[:, : tensor.shape[1]] if tensor.dim() == 2 else target).copy_(tensor, non_blocking=True)
+        if placeholders is not None:
+            static.inputs["input_ids"][placeholders.at] = placeholders.ids
         if static.graph is None:
             return self._forward(static.inputs, static.meta)[: len(rows)]
         static.graph.replay()

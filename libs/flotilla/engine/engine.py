@@ -216,28 +216,38 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One step: schedule, run, and the outputs of the step whose tokens came back.
+        """One step: schedule, launch, and the outputs of the step whose tokens came back.
 
-        Without overlap: schedule -> launch -> collect -> update -> finishes -> text, all for this step. With
-        overlap_output_processing, a call first collects the step the last call launched (waiting for its token
-        ids), applies them and the finishes that need no text (EOS, stop token ids, length, a complete grammar) so
-        that the next schedule sees them, schedules and launches the next step, and only then makes the collected
-        step's text (detokenizing, stop strings) and outputs while the device runs. A request that a stop string
-        ends there is already in the launched step: its row of that step is dropped when it comes back (the
-        request is no longer running), and the KV written for it lands in blocks already freed, which any later
-        step (queued behind it on the same stream) overwrites."""
+        Without overlap: schedule -> launch -> collect -> finishes -> text, all for this step. With
+        overlap_output_processing (on by default on CUDA) the step launched by the last call is still running when
+        this one schedules and launches the next: each of its decodes reads the token it waits for (a PLACEHOLDER
+        in its request) on the device, from that step's sampled ids. Then this call collects that step (waits for
+        its ids), fills the placeholders in, ends the requests that stop without text (EOS, stop token ids,
+        length, a complete grammar), detokenizes and matches stop strings, all while the device runs the step
+        just launched, and returns the collected step's outputs. A request that ended there has a row in the
+        launched step: it is dropped when it comes back, and the K/V it writes lands in blocks already freed,
+        which later steps (queued behind it on the same stream) overwrite. A request whose last token is in flight
+        is not scheduled again. When the running step has a grammar request (its next mask needs the token) or a
+        KV-transfer hook is set, the call collects first, as without overlap."""
         started = time.perf_counter()
         self.release_expired_quarantine()
-        collected = self._collect_in_flight()  # with overlap: the step the last call launched
+        outputs = []
+        if self._in_flight is not None and not self._schedules_ahead():
+            outputs += self._emit(self._collect(self._take_in_flight()))
         scheduler_output = self.scheduler.schedule()
         self._num_preemptions += len(scheduler_output.preempted)
+        previous = self._take_in_flight()
         if scheduler_output.is_empty and not scheduler_output.swap_out:
             self._last_step_seconds = 0.0
-            return self._emit(collected)
-        self._in_flight = (scheduler_output, self.runner.launch(scheduler_output))
-        outputs = self._emit(collected)
+            return outputs + self._emit(self._collect(previous))
+        pending = self.runner.launch(scheduler_output, previous[1] if previous is not None else None)
+        collected = self._collect(previous)
+        self.scheduler.publish_filled(scheduler_output)
+        outputs += self._emit(collected)
+        self.scheduler.advance(scheduler_output)  # after the text: the stop checks saw the counts of `previous`
+        self._in_flight = (scheduler_output, pending)
         if not self._overlaps():
-            outputs += self._emit(self._collect_in_flight())
+            outputs += self._emit(self._collect(self._take_in_flight()))
         self._last_step_seconds = time.perf_counter() - started
         self.scheduler.observe_step(self._last_step_seconds, len(scheduler_output.chunks))
         return outputs
@@ -247,25 +257,35 @@ class LLMEngine:
         runs and wants the step done within it)."""
         return self.overlap_output_processing and self.runner.kv_hook is None
 
-    def _collect_in_flight(self) -> list[tuple[_Tracked, int, bool, ModelRunnerOutput]]:
-        """Waits for the launched step, applies its tokens and the finishes that need no text. Returns, per
+    def _schedules_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the running one's tokens are read: not when one of its
+        requests follows a grammar (the next mask needs the token)."""
+        scheduler_output, _ = self._in_flight
+        return self._overlaps() and all(chunk.request.grammar is None for chunk in scheduler_output.chunks)
+
+    def _take_in_flight(self) -> tuple[SchedulerOutput, PendingStep] | None:
+        launched, self._in_flight = self._in_flight, None
+        return launched
+
+    def _collect(self, launched: tuple[SchedulerOutput, PendingStep] | None
+                 ) -> list[tuple[_Tracked, int, bool, ModelRunnerOutput]]:
+        """Waits for a launched step, fills its tokens in and applies the finishes that need no text. Returns, per
         request still tracked, (tracked, token id, grammar complete, the step's output) for _emit."""
-        if self._in_flight is None:
+        if launched is None:
             return []
-        scheduler_output, pending = self._in_flight
-        self._in_flight = None
+        scheduler_output, pending = launched
         runner_output = pending.collect()
-        self.scheduler.update_from_output(scheduler_output, runner_output)
-        launched = {chunk.request.request_id: chunk.request for chunk in scheduler_output.chunks}
+        self.scheduler.fill_sampled(scheduler_output, runner_output)
+        launched_requests = {chunk.request.request_id: chunk.request for chunk in scheduler_output.chunks}
         collected = []
         for request_id, token_id in runner_output.sampled_token_ids.items():
             tracked = self._tracked.get(request_id)
-            if tracked is None or tracked.request is not launched[request_id]:
-                continue  # aborted (and perhaps its id reused) since the launch
+            if tracked is None or tracked.request is not launched_requests[request_id]:
+                continue  # ended (or aborted, and perhaps its id reused) since the launch
             request = tracked.request
             self._num_output_tokens_total += 1
             grammar_complete = False
-            if request.grammar is not None:  # before the next step's masks are computed
+            if request.grammar is not None:  # before the next step's mask is computed
                 request.grammar.consume_token(token_id)
                 grammar_complete = request.grammar.is_stopped()
             reason = tracked.stop_checker.finish_without_text(token_id, grammar_complete)

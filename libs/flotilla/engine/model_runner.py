@@ -14,6 +14,7 @@ from flotilla.engine.model.kv_cache import allocate_kv_cache, copy_blocks
 from flotilla.engine.model.llama import LlamaForCausalLM
 from flotilla.engine.grammar_backend import mask_logits
 from flotilla.engine.kv_swap import KVSwapper
+from flotilla.engine.request import PLACEHOLDER
 from flotilla.engine.sampler import compute_logprobs, sample_ids
 from flotilla.engine.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 
@@ -77,9 +78,11 @@ class ModelRunner:
         return self.launch(scheduler_output).collect()
 
     @torch.inference_mode()
-    def launch(self, scheduler_output: SchedulerOutput) -> PendingStep:
+    def launch(self, scheduler_output: SchedulerOutput, previous: PendingStep | None = None) -> PendingStep:
         """Queue the step's work on the device and return without waiting for it: on a GPU the sampled token ids
-        come back through an asynchronous copy that PendingStep.collect() waits for (on a CPU it all ran here)."""
+        come back through an asynchronous copy that PendingStep.collect() waits for (on a CPU it all ran here).
+        previous: the step before, still running, whose sampled ids this step's PLACEHOLDER tokens are (read on
+        the device: nothing waits for them)."""
         self._move_blocks(scheduler_output)
         if scheduler_output.is_empty:  # a step may only swap out
             return PendingStep([], None, None, None)
@@ -87,11 +90,13 @@ class ModelRunner:
         # chunks of similar length into one call each.
         chunks = sorted(scheduler_output.chunks, key=lambda chunk: (chunk.num_tokens != 1, chunk.end))
         hook = self.kv_hook
+        token_ids = [c.request.token_ids_slice(c.start, c.end) for c in chunks]
+        placeholders = _placeholders(chunks, token_ids, previous, self.device)
         if hook is None and self._replays(chunks):
-            hidden = self.graphs.run([cuda_graphs.DecodeRow(c.request.token_ids_slice(c.start, c.end)[0], c.start,
-                                                            c.block_ids) for c in chunks])
+            hidden = self.graphs.run([cuda_graphs.DecodeRow(ids[0], c.start, c.block_ids)
+                                      for c, ids in zip(chunks, token_ids)], placeholders)
         else:
-            hidden = self._forward(scheduler_output, chunks, hook)
+            hidden = self._forward(scheduler_output, chunks, token_ids, placeholders, hook)
         sampling = [i for i, chunk in enumerate(chunks) if chunk.samples]
         if not sampling:
             return PendingStep([], None, None, None)
@@ -120,8 +125,11 @@ class ModelRunner:
         return (self.graphs is not None and chunks[-1].num_tokens == 1
                 and self.graphs.bucket_for(len(chunks)) is not None)
 
-    def _forward(self, scheduler_output: SchedulerOutput, chunks: Sequence[ScheduledChunk], hook) -> torch.Tensor:
-        input_ids, positions = self._inputs(chunks)
+    def _forward(self, scheduler_output: SchedulerOutput, chunks: Sequence[ScheduledChunk],
+                 token_ids: Sequence[list[int]], placeholders: Placeholders | None, hook) -> torch.Tensor:
+        input_ids, positions = self._inputs(chunks, token_ids)
+        if placeholders is not None:
+            input_ids[placeholders.at] = placeholders.ids
         meta = AttentionMetadata.build(
             [SeqChunk(c.start, c.num_tokens, c.block_ids, _num_original_prompt_tokens(c.request)) for c in chunks],
             self.block_size,
@@ -145,16 +153,44 @@ class ModelRunner:
             raise RuntimeError("the scheduler swapped blocks but this runner has no host pool")
         copy_blocks(self.kv_caches, [(copy.src, copy.dst) for copy in scheduler_output.block_copies])
 
-    def _inputs(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _inputs(self, chunks: Sequence[ScheduledChunk], chunk_token_ids: Sequence[list[int]]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         token_ids: list[int] = []
         positions: list[int] = []
-        for chunk in chunks:
-            token_ids += chunk.request.token_ids_slice(chunk.start, chunk.end)
+        for chunk, ids in zip(chunks, chunk_token_ids):
+            token_ids += ids
             positions += range(chunk.start, chunk.end)
         return (
             torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True),
             torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True),
         )
+
+
+class Placeholders(NamedTuple):
+    """Where a step's inputs hold PLACEHOLDER tokens (flat input rows, on the device) and their ids there."""
+
+    at: torch.Tensor
+    ids: torch.Tensor
+
+
+def _placeholders(chunks: Sequence[ScheduledChunk], token_ids: Sequence[list[int]], previous: PendingStep | None,
+                  device: torch.device) -> Placeholders | None:
+    """The step's PLACEHOLDER inputs, each the token the previous (still running) step sampled for its request."""
+    at, rows, offset = [], [], 0
+    for chunk, ids in zip(chunks, token_ids):
+        for i, token_id in enumerate(ids if PLACEHOLDER in ids else ()):  # the scan in C: prefill chunks are long
+            if token_id == PLACEHOLDER:
+                row = previous.row_of(chunk.request.request_id) if previous is not None else None
+                if row is None:
+                    raise RuntimeError(f"request {chunk.request.request_id}: a placeholder token that no running "
+                                       "step samples")
+                at.append(offset + i)
+                rows.append(row)
+        offset += len(ids)
+    if not at:
+        return None
+    to_device = lambda values: torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)  # noqa: E731
+    return Placeholders(to_device(at), previous.token_ids[to_device(rows)])
 
 
 class _HostCopy(NamedTuple):
@@ -168,9 +204,18 @@ class PendingStep:
     def __init__(self, requests: Sequence, token_ids: torch.Tensor | None, logits: torch.Tensor | None,
                  host_copy: _HostCopy | None):
         self._requests = requests
+        self._rows = {request.request_id: row for row, request in enumerate(requests)}
         self._token_ids = token_ids
         self._logits = logits  # kept only when some request wants logprobs
         self._host_copy = host_copy
+
+    @property
+    def token_ids(self) -> torch.Tensor | None:
+        """The sampled ids on the device, one per request in launch order (None: the step sampled nothing)."""
+        return self._token_ids
+
+    def row_of(self, request_id: str) -> int | None:
+        return self._rows.get(request_id)
 
     @torch.inference_mode()
     def collect(self) -> ModelRunnerOutput:

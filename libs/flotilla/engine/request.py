@@ -14,6 +14,10 @@ from typing import Any
 
 from flotilla.engine.sampling_params import SamplingParams
 
+# An output token sampled by a step still running on the device (engine.py, overlap_output_processing): the next
+# step, scheduled meanwhile, reads its id on the device; it is filled in when the step's ids come back.
+PLACEHOLDER = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -84,6 +88,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def awaits_token(self) -> bool:
+        """Its last output token is a PLACEHOLDER: sampled by a step whose ids have not come back yet."""
+        return bool(self.output_token_ids) and self.output_token_ids[-1] == PLACEHOLDER
 
     def token_ids_slice(self, start: int, stop: int) -> list[int]:
         num_prompt = len(self.prompt_token_ids)

@@ -26,7 +26,7 @@ from typing import Literal
 from flotilla.engine.batch_bound import BatchBound, BatchBoundConfig
 from flotilla.engine.errors import ContextLengthError, InvalidRequestError
 from flotilla.engine.kv_cache_manager import KVCacheManager
-from flotilla.engine.request import FinishReason, Priority, Request, RequestStatus
+from flotilla.engine.request import PLACEHOLDER, FinishReason, Priority, Request, RequestStatus
 from flotilla.engine.scheduler_output import (
     BlockCopy,
     ModelRunnerOutput,
@@ -180,6 +180,13 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput) -> None:
         """Advance each scheduled request by its chunk and append its sampled token. Requests finished
         or aborted since schedule() are skipped (their blocks are already free)."""
+        self.advance(scheduler_output)
+        self.fill_sampled(scheduler_output, model_runner_output)
+
+    def advance(self, scheduler_output: SchedulerOutput) -> None:
+        """A launched step's chunks count as computed, and each sampling chunk's token as known but not yet read:
+        a PLACEHOLDER until fill_sampled. With overlap (engine.py) the next step is scheduled in between: a decode
+        then reads the placeholder's id on the device. Requests finished or aborted since schedule() are skipped."""
         for chunk in scheduler_output.chunks:
             request = chunk.request
             if self._requests.get(request.request_id) is not request or request.status is not RequestStatus.RUNNING:
@@ -189,10 +196,32 @@ class Scheduler:
                     f"request {request.request_id}: chunk starts at {chunk.start} but "
                     f"{request.num_computed_tokens} tokens are computed (output applied twice?)"
                 )
+            samples = chunk.samples
             request.num_computed_tokens += chunk.num_tokens
-            if chunk.samples:
-                self._append_sample(request, model_runner_output)
+            if samples:
+                request.output_token_ids.append(PLACEHOLDER)
         self.kv.end_step()
+
+    def fill_sampled(self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput) -> None:
+        """The step's sampled tokens in place of its placeholders, for every request still here (one preempted since
+        keeps its token: its recompute covers it)."""
+        for chunk in scheduler_output.chunks:
+            request = chunk.request
+            if self._requests.get(request.request_id) is not request or not request.awaits_token:
+                continue
+            token_id = model_runner_output.sampled_token_ids.get(request.request_id)
+            if token_id is None:
+                raise RuntimeError(f"model runner output has no sampled token for {request.request_id}")
+            request.output_token_ids[-1] = token_id
+
+    def publish_filled(self, scheduler_output: SchedulerOutput) -> None:
+        """Publish to the prefix cache the blocks of this step's chunks that were scheduled while their last token
+        was a placeholder (their hashes need its id), now that fill_sampled has it."""
+        for chunk in scheduler_output.unpublished:
+            request = chunk.request
+            if (self._requests.get(request.request_id) is request and request.status is RequestStatus.RUNNING
+                    and not request.awaits_token):
+                self.kv.publish_blocks(request, chunk.start, chunk.end)
 
     # ---- pipeline steps ------------------------------------------------------------------------
     def _schedule_running(self, step: _Step) -> None:
@@ -211,12 +240,17 @@ class Scheduler:
                 continue  # preempted as a victim earlier in this loop
             if step.hold_batch and request.priority >= Priority.BATCH:
                 continue  # paused for an interactive prefill, blocks kept
+            awaits_token = request.awaits_token
+            if awaits_token and self._ends_with_placeholder(request):
+                continue  # its last token is on the device still: nothing more to compute
             num_new_tokens = min(request.num_uncomputed_tokens, step.budget)
             if num_new_tokens <= 0:
                 continue
-            copies = self._allocate_or_preempt(request, num_new_tokens, step)
+            copies = self._allocate_or_preempt(request, num_new_tokens, step, publish=not awaits_token)
             if copies is not None:
                 step.add_chunk(request, num_new_tokens, self.kv.block_ids(request.request_id), copies)
+                if awaits_token:
+                    step.output.unpublished.append(step.output.chunks[-1])
 
     def _schedule_waiting(self, step: _Step) -> None:
         while self._waiting and step.budget > 0 and len(step.scheduled_ids) < self.seq_limit:
@@ -230,10 +264,19 @@ class Scheduler:
             if not self._try_admit(request, step):
                 return  # strict head-of-line: later requests do not overtake
 
-    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, step: _Step) -> list[BlockCopy] | None:
-        """Allocate, preempting victims until it fits; None when the request itself was the victim."""
+    def _ends_with_placeholder(self, request: Request) -> bool:
+        """The placeholder is the request's last token (max_tokens or the context window): the engine finishes it
+        once the id comes back."""
+        max_len = self.config.max_model_len
+        return (request.num_output_tokens >= request.sampling_params.max_tokens
+                or (max_len is not None and request.num_tokens >= max_len))
+
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, step: _Step,
+                             publish: bool = True) -> list[BlockCopy] | None:
+        """Allocate, preempting victims until it fits; None when the request itself was the victim. publish=False:
+        the last token is a placeholder, and the blocks it fills are published later (publish_filled)."""
         while True:
-            copies = self.kv.allocate_slots(request, num_new_tokens)
+            copies = self.kv.allocate_slots(request, num_new_tokens, publish=publish)
             if copies is not None:
                 return copies
             victim = self._pick_victim(step)
@@ -353,12 +396,6 @@ class Scheduler:
 
     def _enqueue_waiting(self, request: Request) -> None:
         bisect.insort(self._waiting, request, key=self._waiting_key)
-
-    def _append_sample(self, request: Request, model_runner_output: ModelRunnerOutput) -> None:
-        token_id = model_runner_output.sampled_token_ids.get(request.request_id)
-        if token_id is None:
-            raise RuntimeError(f"model runner output has no sampled token for {request.request_id}")
-        request.output_token_ids.append(token_id)
 
     def _validate_new(self, request: Request) -> None:
         if request.request_id in self._requests:

@@ -43,6 +43,9 @@ class SchedulerOutput:
     swap_in: list[BlockCopy] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_scheduled_tokens: int = 0
+    # Chunks scheduled while their request's last token was a placeholder: their blocks reach the prefix cache
+    # once its id is read (Scheduler.publish_filled)
+    unpublished: list[ScheduledChunk] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

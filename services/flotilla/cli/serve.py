@@ -40,6 +40,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="on cpu, matmul shapes each of oneDNN's two primitive caches keeps; 0: oneDNN's default "
                              "(1,024, which grows the resident size by hundreds of MiB)")
     worker.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on cuda")
+    worker.add_argument("--no-overlap", action="store_true",
+                        help="on cuda, read each step's tokens before scheduling the next (by default the next step "
+                             "is scheduled and launched while one runs, and its text made meanwhile)")
     worker.add_argument("--block-size", type=int, default=None,
                         help="tokens per KV block (default: 128 on cpu, where the decode kernel reads longer runs "
                              "faster, 16 on cuda)")
@@ -214,6 +217,7 @@ def run_worker(args: argparse.Namespace) -> int:
         attention_backend=args.attention_backend,
         cpu_linear_backend=args.cpu_linear_backend,
         cuda_graphs=not args.no_cuda_graphs,
+        overlap_output_processing=False if args.no_overlap else None,
         keep_freed_host_memory=not args.no_keep_freed_host_memory,
         onednn_primitive_cache_capacity=args.onednn_primitive_cache_capacity or None,
         block_size=args.block_size,

@@ -140,7 +140,7 @@ class AttentionMetadata:
         slots = table_rows[seq_of_token, positions_host // block_size] * block_size + positions_host % block_size
         block_tables = _to_device(table_rows, device)
         positions = _to_device(positions_host, device)
-        context_lens = torch.tensor(ends, dtype=torch.int64, device=device)
+        context_lens = _to_device(np.asarray(ends, dtype=np.int64), device)
         decode_ids = [i for i, count in enumerate(counts) if count == 1 and not use_triton]
         decode_rows = None
         decode_groups: tuple[DecodeBatch, ...] = ()
@@ -248,10 +248,10 @@ def _decode_rows(decode_ids: list[int], offsets, ends, table_rows: np.ndarray, d
     rows = [offsets[i] for i in decode_ids]
     contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
     return DecodeRows(
-        token_indices=torch.tensor(rows, dtype=torch.int64, device=device),
+        token_indices=_to_device(np.asarray(rows, dtype=np.int64), device),
         token_slice=slice(rows[0], rows[0] + len(rows)) if contiguous else None,
         block_tables=_to_device(table_rows[decode_ids], device),
-        context_lens=torch.tensor([ends[i] for i in decode_ids], dtype=torch.int64, device=device),
+        context_lens=_to_device(np.asarray([ends[i] for i in decode_ids], dtype=np.int64), device),
     )
 
 
@@ -260,8 +260,8 @@ def _decode_batch(decode_ids: list[int], offsets, ends, block_tables, block_size
     contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
     max_context_len = max(ends[i] for i in decode_ids)
     width = -(-max_context_len // block_size)
-    ids = torch.tensor(decode_ids, dtype=torch.int64, device=device)
-    context_lens = torch.tensor([ends[i] for i in decode_ids], dtype=torch.int64, device=device)
+    ids = _to_device(np.asarray(decode_ids, dtype=np.int64), device)
+    context_lens = _to_device(np.asarray([ends[i] for i in decode_ids], dtype=np.int64), device)
     key_positions = torch.arange(width * block_size, dtype=torch.int64, device=device)
     mask = (key_positions[None, :] < context_lens[:, None])[:, None, None, :]
     window_mask = None
@@ -269,7 +269,7 @@ def _decode_batch(decode_ids: list[int], offsets, ends, block_tables, block_size
         recent = key_positions[None, :] >= context_lens[:, None] - window
         window_mask = mask if max_context_len <= window else mask & recent[:, None, None, :]
     return DecodeBatch(
-        token_indices=torch.tensor(rows, dtype=torch.int64, device=device),
+        token_indices=_to_device(np.asarray(rows, dtype=np.int64), device),
         token_slice=slice(rows[0], rows[0] + len(rows)) if contiguous else None,
         block_ids=block_tables[ids, :width].reshape(-1),
         mask=mask,

@@ -125,8 +125,9 @@ def copy_blocks(kv_caches: Sequence[torch.Tensor], pairs: Sequence[tuple[int, in
     if not pairs:
         return
     device = kv_caches[0].device
-    src = torch.tensor([pair[0] for pair in pairs], dtype=torch.int64, device=device)
-    dst = torch.tensor([pair[1] for pair in pairs], dtype=torch.int64, device=device)
+    # Non-blocking: a blocking copy to a GPU would wait for the step still running (engine.py, overlap).
+    src = torch.tensor([pair[0] for pair in pairs], dtype=torch.int64).to(device, non_blocking=True)
+    dst = torch.tensor([pair[1] for pair in pairs], dtype=torch.int64).to(device, non_blocking=True)
     for layer in kv_caches:
         layer[:, dst] = layer[:, src]
 

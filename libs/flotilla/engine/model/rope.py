@@ -50,7 +50,7 @@ def dynamic_inverse_frequencies(config: ModelConfig, rope_lens: torch.Tensor) ->
     scaling = config.rope_scaling
     factor, max_positions = scaling["factor"], scaling["max_position_embeddings"]
     dim = config.rotary_dim
-    seq_len = torch.maximum(rope_lens, torch.tensor(max_positions, dtype=rope_lens.dtype, device=rope_lens.device))
+    seq_len = rope_lens.clamp(min=max_positions)  # no host-to-device copy: it would wait for a running step
     base = config.rope_theta * ((factor * seq_len / max_positions) - (factor - 1)) ** (dim / (dim - 2))
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=rope_lens.device).to(torch.float) / dim
     return 1.0 / (base[:, None] ** exponents)
