@@ -16,17 +16,18 @@ from loadtest.common.random_llama import decode_bytes_per_token, num_parameters
 
 
 def _timed_steps(engine: LLMEngine, prompts, new_tokens: int, device: torch.device) -> tuple[list[float], int, float]:
-    """Runs prompts to new_tokens each; (seconds of each step, tokens emitted after every request had its first
-    one, seconds since then)."""
+    """Runs prompts to new_tokens each; (seconds between one step() returning and the next, tokens emitted after
+    every request had its first one, seconds since then). No synchronisation between steps: with overlap a call
+    returns while the step it launched runs, and waiting for it there would time the steps one after the other."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(NewRequest(f"perf-{i}-{time.monotonic_ns()}", tuple(prompt), params))
+    sync(device)
     started_ids: set[str] = set()
     steps, steady_tokens, steady_since = [], 0, None
     while engine.has_unfinished_requests():
         began = time.perf_counter()
         outputs = engine.step()
-        sync(device)
         now = time.perf_counter()
         steps.append(now - began)
         if steady_since is not None:

@@ -27,7 +27,10 @@ class FakeRunner:
         self.device: dict[tuple[int, int], tuple[str, int]] = {}
         self.host: dict[tuple[int, int], tuple[str, int]] = {}
 
-    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, output: SchedulerOutput, previous: ModelRunnerOutput | None = None) -> ModelRunnerOutput:
+        """previous: the output of the step before when it is still "running" (overlap order): a PLACEHOLDER
+        token is its sampled token, as the real runner reads it on the device."""
+        self.previous = previous
         for copy in output.swap_out:
             self._copy(self.device, self.host, copy)
         for copy in output.swap_in:
@@ -36,7 +39,7 @@ class FakeRunner:
             self._copy(self.device, self.device, copy)
         for chunk in output.chunks:
             self._check_writable(chunk)
-            tokens = chunk.request.all_token_ids
+            tokens = self._tokens(chunk.request)
             for position in range(chunk.start, chunk.end):
                 self.device[self._slot(chunk.block_ids, position)] = (chunk.request.cache_salt, tokens[position])
         for chunk in output.chunks:
@@ -54,9 +57,16 @@ class FakeRunner:
             shared = pool.ref_count(block_id) > 1 or pool.block_hash(block_id) is not None
             assert not shared or block_id in self.kv._pending, f"{chunk.request.request_id} writes shared {block_id}"
 
+    def _tokens(self, request: Request) -> list[int]:
+        tokens = request.all_token_ids
+        if request.awaits_token:
+            assert self.previous is not None, f"{request.request_id}: a placeholder with no step running"
+            tokens[-1] = self.previous.sampled_token_ids[request.request_id]
+        return tokens
+
     def _check_reads(self, chunk) -> None:
         assert len(chunk.block_ids) * self.block_size >= chunk.end
-        tokens = chunk.request.all_token_ids
+        tokens = self._tokens(chunk.request)
         for position in range(chunk.end):
             got = self.device.get(self._slot(chunk.block_ids, position))
             expected = (chunk.request.cache_salt, tokens[position])
@@ -347,8 +357,12 @@ def test_config_validation():
 
 
 # ---- randomized ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_random_operations_keep_invariants_and_drain(mode):
+@pytest.mark.parametrize(("mode", "overlap"), [("recompute", False), ("swap", False), ("recompute", True),
+                                               ("swap", True)])
+def test_random_operations_keep_invariants_and_drain(mode, overlap):
+    """overlap: the engine's overlap order (engine.py, step): each step is scheduled and run while the one before is
+    "running" (its tokens still placeholders), then that one's tokens are filled in, its requests finished, and
+    the new step advanced."""
     rng = random.Random(20240917 if mode == "recompute" else 7)
     config = SchedulerConfig(
         max_num_batched_tokens=10, max_num_seqs=4, num_lookahead_steps=2, preemption_mode=mode
@@ -357,7 +371,7 @@ def test_random_operations_keep_invariants_and_drain(mode):
     scheduler = Scheduler(config, kv)
     runner = FakeRunner(kv, rng=rng, vocab=3)  # tiny vocab: outputs share prefixes too
     prefixes = [[rng.randrange(3) for _ in range(8)] for _ in range(3)]
-    stats = {"finished": 0, "preempted": 0, "swapped": 0}
+    stats = {"finished": 0, "preempted": 0, "swapped": 0, "in_flight": None if overlap else False}
     next_id = 0
     for _ in range(10_000):
         op = rng.random()
@@ -376,6 +390,8 @@ def test_random_operations_keep_invariants_and_drain(mode):
         if not scheduler.has_unfinished_requests:
             break
         _random_step(scheduler, runner, None, config, stats)
+    if stats["in_flight"]:
+        _finish_step(scheduler, *stats["in_flight"], stats)
     assert not scheduler.has_unfinished_requests
     assert kv.check_integrity()
     assert kv.num_free_blocks == kv.num_blocks and kv.num_free_host_blocks == kv.num_host_blocks
@@ -401,13 +417,31 @@ def _random_step(scheduler, runner, rng, config, stats) -> None:
     assert scheduler.num_running <= config.max_num_seqs
     stats["preempted"] += len(output.preempted)
     stats["swapped"] += len(output.swap_out)
-    model_output = runner.execute(output)
+    running = stats["in_flight"]
+    model_output = runner.execute(output, running[1] if running else None)
     if rng is not None and output.chunks and rng.random() < 0.05:  # abort while the step "runs"
         scheduler.abort_request(rng.choice(output.chunks).request.request_id)
-    scheduler.update_from_output(output, model_output)
+    if running is False:  # the synchronous order
+        scheduler.update_from_output(output, model_output)
+        _finish_lengths(scheduler, output, stats)
+    else:
+        if running is not None:
+            _finish_step(scheduler, *running, stats)
+            scheduler.publish_filled(output)
+        scheduler.advance(output)
+        stats["in_flight"] = (output, model_output)
+    scheduler.kv.check_integrity()
+
+
+def _finish_step(scheduler, output, model_output, stats) -> None:
+    scheduler.fill_sampled(output, model_output)
+    _finish_lengths(scheduler, output, stats)
+    stats["in_flight"] = None
+
+
+def _finish_lengths(scheduler, output, stats) -> None:
     for chunk in output.chunks:
         request = chunk.request
         if request.request_id in scheduler.requests and request.num_output_tokens >= request.sampling_params.max_tokens:
             scheduler.finish_request(request.request_id, FinishReason.LENGTH)
             stats["finished"] += 1
-    scheduler.kv.check_integrity()

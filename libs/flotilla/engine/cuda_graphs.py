@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from flotilla.engine.device_copy import pinned
 from flotilla.engine.model.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,8 @@ class DecodeGraphs:
         host = padded_inputs(rows, bucket, self.width, self.block_size, self.pad_slot)
         for name, tensor in host.items():
             target = static.inputs[name]
-            (target[:, : tensor.shape[1]] if tensor.dim() == 2 else target).copy_(tensor, non_blocking=True)
+            (target[:, : tensor.shape[1]] if tensor.dim() == 2 else target).copy_(pinned(tensor, target.device),
+                                                                                  non_blocking=True)
         if placeholders is not None:
             static.inputs["input_ids"][placeholders.at] = placeholders.ids
         if static.graph is None:

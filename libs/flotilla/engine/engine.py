@@ -101,8 +101,11 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         # Requests whose blocks remote_prefill.try_reserve holds outside the scheduler (a remote prefill).
         self.reserved_request_ids: set[str] = set()
+        # By default on CUDA, but not for MoE models: their routing reads expert counts back in every layer
+        # (moe.py), which waits for the running step anyway.
         overlap = config.overlap_output_processing
-        self.overlap_output_processing = self.device.type == "cuda" if overlap is None else overlap
+        default_overlap = self.device.type == "cuda" and self.model_config.moe is None
+        self.overlap_output_processing = default_overlap if overlap is None else overlap
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None  # launched, not yet collected
         self._num_preemptions = 0
         self._last_step_seconds = 0.0
@@ -210,8 +213,8 @@ class LLMEngine:
         return self.scheduler.abort_request(request_id) is not None
 
     def has_unfinished_requests(self) -> bool:
-        # A launched step's live requests are the scheduler's still; one whose every request has been aborted since
-        # it was launched has nothing to deliver, and the next step() collects it before anything else.
+        # A launched step's live requests are the scheduler's still; one whose every request has ended or been aborted
+        # since it was launched has nothing to deliver, and the next step() collects it (dropping those rows).
         return self.scheduler.has_unfinished_requests
 
     # ---- the loop ------------------------------------------------------------------------------

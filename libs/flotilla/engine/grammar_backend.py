@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from flotilla.engine.device_copy import to_device
 from flotilla.engine.errors import InvalidRequestError
 from flotilla.engine.structured_output import FIELD, StructuredOutput, compile_grammar
 
@@ -66,10 +67,10 @@ def mask_logits(logits: torch.Tensor, rows: Sequence[int], matchers: Sequence[An
     _executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.ctypes.data, words * 4,
                                       len(rows))
     bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little", count=logits.shape[1])
-    disallowed = torch.from_numpy(bits).to(logits.device, non_blocking=True) == 0  # no wait for the forward
+    disallowed = to_device(bits, logits.device) == 0
     if list(rows) == list(range(logits.shape[0])):  # every row constrained: no gather, no scatter
         return logits.masked_fill(disallowed, float("-inf"))
-    index = torch.tensor(list(rows)).to(logits.device, non_blocking=True)
+    index = to_device(list(rows), logits.device, torch.int64)
     masked = logits.clone()
     masked[index] = logits[index].masked_fill_(disallowed, float("-inf"))
     return masked

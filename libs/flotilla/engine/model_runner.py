@@ -8,6 +8,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from flotilla.engine import cuda_graphs
+from flotilla.engine.device_copy import to_device
 from flotilla.engine.model import decode_kernel, prefill_kernel
 from flotilla.engine.model.attention import AttentionMetadata, SeqChunk
 from flotilla.engine.model.kv_cache import allocate_kv_cache, copy_blocks
@@ -15,7 +16,7 @@ from flotilla.engine.model.llama import LlamaForCausalLM
 from flotilla.engine.grammar_backend import mask_logits
 from flotilla.engine.kv_swap import KVSwapper
 from flotilla.engine.request import PLACEHOLDER
-from flotilla.engine.sampler import compute_logprobs, sample_ids
+from flotilla.engine.sampler import LogprobTensors, logprob_tensors, sample_ids, token_logprobs
 from flotilla.engine.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 
 
@@ -85,7 +86,7 @@ class ModelRunner:
         the device: nothing waits for them)."""
         self._move_blocks(scheduler_output)
         if scheduler_output.is_empty:  # a step may only swap out
-            return PendingStep([], None, None, None)
+            return PendingStep([], None)
         # Decode chunks first, shortest context first: the attention metadata batches runs of one-token
         # chunks of similar length into one call each.
         chunks = sorted(scheduler_output.chunks, key=lambda chunk: (chunk.num_tokens != 1, chunk.end))
@@ -99,26 +100,21 @@ class ModelRunner:
             hidden = self._forward(scheduler_output, chunks, token_ids, placeholders, hook)
         sampling = [i for i, chunk in enumerate(chunks) if chunk.samples]
         if not sampling:
-            return PendingStep([], None, None, None)
-        last_rows = torch.tensor(_last_rows(chunks, sampling)).to(self.device, non_blocking=True)
+            return PendingStep([], None)
+        last_rows = to_device(_last_rows(chunks, sampling), self.device, torch.int64)
         logits = self.model.compute_logits(hidden[last_rows])
         requests = [chunks[i].request for i in sampling]
         # Structured outputs: constrained rows sample from masked logits; logprobs stay the model's own.
         constrained = [i for i, request in enumerate(requests) if request.grammar is not None]
         sampling_logits = mask_logits(logits, constrained, [requests[i].grammar for i in constrained]) if constrained else logits
         token_ids = sample_ids(sampling_logits, requests, self.default_seed)
-        wants_logprobs = any(r.sampling_params.logprobs is not None for r in requests)
-        return PendingStep(requests, token_ids, logits if wants_logprobs else None, self._copy_back(token_ids))
-
-    def _copy_back(self, token_ids: torch.Tensor) -> _HostCopy | None:
-        """On a GPU: the ids copied into pinned host memory behind the step's work, and an event after the copy."""
-        if token_ids.device.type != "cuda":
-            return None
-        host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-        host.copy_(token_ids, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return _HostCopy(host, done)
+        wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        read_back = [token_ids]
+        if wanted:
+            rows = to_device(wanted, self.device, torch.int64)
+            max_top = max(requests[i].sampling_params.logprobs for i in wanted)
+            read_back += logprob_tensors(logits[rows], token_ids[rows], max_top)
+        return PendingStep(requests, token_ids, wanted, *_read_back(read_back))
 
     def _replays(self, chunks: Sequence[ScheduledChunk]) -> bool:
         """An all-decode step that a captured graph holds (a KV-transfer hook needs the eager per-layer calls)."""
@@ -161,8 +157,8 @@ class ModelRunner:
             token_ids += ids
             positions += range(chunk.start, chunk.end)
         return (
-            torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True),
-            torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True),
+            to_device(token_ids, self.device, torch.int64),
+            to_device(positions, self.device, torch.int64),
         )
 
 
@@ -189,25 +185,33 @@ def _placeholders(chunks: Sequence[ScheduledChunk], token_ids: Sequence[list[int
         offset += len(ids)
     if not at:
         return None
-    to_device = lambda values: torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)  # noqa: E731
-    return Placeholders(to_device(at), previous.token_ids[to_device(rows)])
+    return Placeholders(to_device(at, device, torch.int64), previous.token_ids[to_device(rows, device, torch.int64)])
 
 
-class _HostCopy(NamedTuple):
-    ids: torch.Tensor  # pinned, filled once `done` has passed
-    done: torch.cuda.Event
+def _read_back(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """The tensors as the host will read them, and what to wait for first: on a GPU, copies into pinned host memory
+    queued behind the step's work, and an event after them; elsewhere the tensors themselves."""
+    if tensors[0].device.type != "cuda":
+        return tensors, None
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for target, tensor in zip(host, tensors):
+        target.copy_(tensor, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
 
 
 class PendingStep:
-    """A launched step's sampled tokens, not yet read on the host (ModelRunner.launch)."""
+    """A launched step's sampled tokens (and log-probabilities), not yet read on the host (ModelRunner.launch)."""
 
-    def __init__(self, requests: Sequence, token_ids: torch.Tensor | None, logits: torch.Tensor | None,
-                 host_copy: _HostCopy | None):
+    def __init__(self, requests: Sequence, token_ids: torch.Tensor | None, logprob_rows: Sequence[int] = (),
+                 host: Sequence[torch.Tensor] = (), done: torch.cuda.Event | None = None):
         self._requests = requests
         self._rows = {request.request_id: row for row, request in enumerate(requests)}
         self._token_ids = token_ids
-        self._logits = logits  # kept only when some request wants logprobs
-        self._host_copy = host_copy
+        self._logprob_rows = logprob_rows  # the rows whose requests asked for log-probabilities
+        self._host = host  # token ids, then (with logprob_rows) LogprobTensors' three, readable once `done` passed
+        self._done = done
 
     @property
     def token_ids(self) -> torch.Tensor | None:
@@ -217,23 +221,19 @@ class PendingStep:
     def row_of(self, request_id: str) -> int | None:
         return self._rows.get(request_id)
 
-    @torch.inference_mode()
     def collect(self) -> ModelRunnerOutput:
-        """Waits for the step (on a GPU, for its copy of the token ids) and returns its output."""
+        """Waits for the step (on a GPU, for its copies back) and returns its output."""
         if self._token_ids is None:
             return ModelRunnerOutput()
-        if self._host_copy is not None:
-            self._host_copy.done.synchronize()
-            token_ids = self._host_copy.ids.tolist()
-        else:
-            token_ids = self._token_ids.tolist()
+        if self._done is not None:
+            self._done.synchronize()
         requests = self._requests
+        token_ids = self._host[0].tolist()
         output = ModelRunnerOutput(sampled_token_ids={r.request_id: t for r, t in zip(requests, token_ids)})
-        wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
-        if wanted:
-            values = compute_logprobs(self._logits[wanted], [token_ids[i] for i in wanted],
-                                      [requests[i].sampling_params.logprobs for i in wanted])
-            for i, value in zip(wanted, values):
+        if self._logprob_rows:
+            values = token_logprobs(LogprobTensors(*self._host[1:]),
+                                    [requests[i].sampling_params.logprobs for i in self._logprob_rows])
+            for i, value in zip(self._logprob_rows, values):
                 output.logprobs[requests[i].request_id] = value
         return output
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
+from flotilla.engine.device_copy import to_device
 from flotilla.engine.request import Request
 from flotilla.engine.scheduler_output import TokenLogprobs
 
@@ -35,17 +37,11 @@ def sample_ids(logits: torch.Tensor, requests: Sequence[Request], default_seed: 
         return _argmax_rows(logits, None)
     token_ids = torch.empty(len(requests), dtype=torch.int64, device=logits.device)
     if greedy:
-        token_ids[_to_device(greedy, torch.int64, logits.device)] = _argmax_rows(logits, greedy)
+        token_ids[to_device(greedy, logits.device, torch.int64)] = _argmax_rows(logits, greedy)
     probs = _probabilities(logits, [requests[i] for i in sampled], sampled)
     uniforms = [_token_uniform(requests[i], default_seed) for i in sampled]
-    token_ids[_to_device(sampled, torch.int64, logits.device)] = _inverse_cdf(probs, uniforms)
+    token_ids[to_device(sampled, logits.device, torch.int64)] = _inverse_cdf(probs, uniforms)
     return token_ids
-
-
-def _to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on the device without waiting for the device's queued work (a blocking copy to a GPU
-    would wait for the whole forward pass)."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def _argmax_rows(logits: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
@@ -57,13 +53,13 @@ def _argmax_rows(logits: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
         return torch.from_numpy((array if rows is None else array[rows]).argmax(axis=-1).astype("int64"))
     if rows is None:
         return logits.argmax(dim=-1)
-    return logits[_to_device(rows, torch.int64, logits.device)].argmax(dim=-1)
+    return logits[to_device(rows, logits.device, torch.int64)].argmax(dim=-1)
 
 
 def _probabilities(logits: torch.Tensor, requests: Sequence[Request], rows: list[int]) -> torch.Tensor:
     """[M, V] float64 probabilities after temperature, top-k and top-p, for the sampled rows."""
-    temperatures = _to_device([r.sampling_params.temperature for r in requests], logits.dtype, logits.device)
-    scaled = logits[_to_device(rows, torch.int64, logits.device)] / temperatures[:, None]
+    temperatures = to_device([r.sampling_params.temperature for r in requests], logits.device, logits.dtype)
+    scaled = logits[to_device(rows, logits.device, torch.int64)] / temperatures[:, None]
     for k, request in enumerate(requests):
         top_k = request.sampling_params.top_k
         if 0 < top_k < scaled.shape[1]:
@@ -80,7 +76,7 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
     """Per row, the first token whose cumulative probability exceeds u x the row's total mass. A token
     with probability 0 never exceeds its predecessor's sum, so it is never drawn."""
     cdf = torch.cumsum(probs, dim=-1)
-    targets = _to_device(uniforms, cdf.dtype, cdf.device) * cdf[:, -1]
+    targets = to_device(uniforms, cdf.device, cdf.dtype) * cdf[:, -1]
     picked = torch.searchsorted(cdf, targets[:, None], right=True).clamp_(max=cdf.shape[1] - 1)
     return picked[:, 0]
 
@@ -114,15 +110,25 @@ def _hash64(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
-def compute_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: Sequence[int]) -> list[TokenLogprobs]:
-    """Log-probabilities of the sampled tokens under the model's raw distribution, plus the top ones."""
+class LogprobTensors(NamedTuple):
+    """A step's log-probabilities on the device, for the rows that asked (logprob_tensors)."""
+
+    chosen: torch.Tensor  # [W]: of the sampled token
+    top_values: torch.Tensor  # [W, K], K the most any row asked for, highest first
+    top_ids: torch.Tensor  # [W, K]
+
+
+def logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor, max_top: int) -> LogprobTensors:
+    """Log-probabilities of the sampled tokens under the model's raw distribution, plus the top max_top of each row,
+    computed on the logits' device with nothing read back (token_logprobs reads them)."""
     logprobs = torch.log_softmax(logits, dim=-1)
-    chosen = logprobs[torch.arange(len(token_ids)), torch.tensor(token_ids)].tolist()
-    result = []
-    for row, (value, k) in enumerate(zip(chosen, num_top)):
-        top: list[tuple[int, float]] = []
-        if k > 0:
-            top_values, top_ids = torch.topk(logprobs[row], k)
-            top = list(zip(top_ids.tolist(), top_values.tolist()))
-        result.append(TokenLogprobs(logprob=value, top=top))
-    return result
+    chosen = logprobs.gather(1, token_ids[:, None])[:, 0]
+    top_values, top_ids = torch.topk(logprobs, max_top, dim=-1)
+    return LogprobTensors(chosen, top_values, top_ids)
+
+
+def token_logprobs(tensors: LogprobTensors, num_top: Sequence[int]) -> list[TokenLogprobs]:
+    """The rows' TokenLogprobs from tensors on the host, each with its own number of top entries."""
+    chosen, values, ids = tensors.chosen.tolist(), tensors.top_values.tolist(), tensors.top_ids.tolist()
+    return [TokenLogprobs(logprob=value, top=list(zip(row_ids[:k], row_values[:k])))
+            for value, row_values, row_ids, k in zip(chosen, values, ids, num_top)]

@@ -285,9 +285,11 @@ class Scheduler:
                 return None
 
     def _pick_victim(self, step: _Step) -> Request:
-        """Lowest priority (highest value), then newest, among running requests not scheduled yet."""
+        """Lowest priority (highest value), then newest, among running requests not scheduled yet; one whose last
+        token is in flight (it ends when the token is read) only when there is no other."""
         candidates = [r for r in self._running if r.request_id not in step.scheduled_ids]
-        return max(candidates, key=self._victim_key)
+        lasting = [r for r in candidates if not (r.awaits_token and self._ends_with_placeholder(r))]
+        return max(lasting or candidates, key=self._victim_key)
 
     def _victim_key(self, request: Request) -> tuple:
         return request.priority, request.arrival_time, self._arrival_seq[request.request_id]

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from flotilla.engine.device_copy import to_device
 from flotilla.engine.model import decode_kernel, fused_ops, prefill_kernel
 from flotilla.engine.model.kv_cache import cache_rows, layer_dims
 
@@ -138,9 +139,9 @@ class AttentionMetadata:
         seq_of_token = np.repeat(np.arange(len(seqs)), counts)
         positions_host = np.arange(len(seq_of_token), dtype=np.int64) + (np.asarray(starts) - offsets)[seq_of_token]
         slots = table_rows[seq_of_token, positions_host // block_size] * block_size + positions_host % block_size
-        block_tables = _to_device(table_rows, device)
-        positions = _to_device(positions_host, device)
-        context_lens = _to_device(np.asarray(ends, dtype=np.int64), device)
+        block_tables = to_device(table_rows, device)
+        positions = to_device(positions_host, device)
+        context_lens = to_device(ends, device, torch.int64)
         decode_ids = [i for i, count in enumerate(counts) if count == 1 and not use_triton]
         decode_rows = None
         decode_groups: tuple[DecodeBatch, ...] = ()
@@ -169,17 +170,17 @@ class AttentionMetadata:
         return cls(
             num_tokens=sum(counts),
             positions=positions,
-            slot_mapping=_to_device(slots, device),
+            slot_mapping=to_device(slots, device),
             context_lens=context_lens,
             block_tables=block_tables,
             decode_groups=decode_groups,
             decode_rows=decode_rows,
             prefill_batch=prefill_batch,
             prefills=prefills,
-            rope_lens=_to_device(rope_lens, device),
+            rope_lens=to_device(rope_lens, device),
             max_rope_len=max(max(floors), max(ends)),
             sliding_window=sliding_window,
-            query_start_loc=torch.tensor([*offsets, sum(counts)], dtype=torch.int64).to(device, non_blocking=True)
+            query_start_loc=to_device([*offsets, sum(counts)], device, torch.int64)
             if use_triton else None,
             max_query_len=max(counts),
             max_context_len=max(ends),
@@ -220,9 +221,6 @@ def _block_table_rows(seqs: Sequence[SeqChunk], ends: list[int], block_size: int
     return rows
 
 
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(array).to(device, non_blocking=True)
-
 
 CPU_DECODE_GROUP_TOKENS = 4096  # ~4 MB of fp32 K/V per group for a 128-wide KV layer: stays in cache
 
@@ -248,10 +246,10 @@ def _decode_rows(decode_ids: list[int], offsets, ends, table_rows: np.ndarray, d
     rows = [offsets[i] for i in decode_ids]
     contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
     return DecodeRows(
-        token_indices=_to_device(np.asarray(rows, dtype=np.int64), device),
+        token_indices=to_device(rows, device, torch.int64),
         token_slice=slice(rows[0], rows[0] + len(rows)) if contiguous else None,
-        block_tables=_to_device(table_rows[decode_ids], device),
-        context_lens=_to_device(np.asarray([ends[i] for i in decode_ids], dtype=np.int64), device),
+        block_tables=to_device(table_rows[decode_ids], device),
+        context_lens=to_device([ends[i] for i in decode_ids], device, torch.int64),
     )
 
 
@@ -260,8 +258,8 @@ def _decode_batch(decode_ids: list[int], offsets, ends, block_tables, block_size
     contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
     max_context_len = max(ends[i] for i in decode_ids)
     width = -(-max_context_len // block_size)
-    ids = _to_device(np.asarray(decode_ids, dtype=np.int64), device)
-    context_lens = _to_device(np.asarray([ends[i] for i in decode_ids], dtype=np.int64), device)
+    ids = to_device(decode_ids, device, torch.int64)
+    context_lens = to_device([ends[i] for i in decode_ids], device, torch.int64)
     key_positions = torch.arange(width * block_size, dtype=torch.int64, device=device)
     mask = (key_positions[None, :] < context_lens[:, None])[:, None, None, :]
     window_mask = None
@@ -269,7 +267,7 @@ def _decode_batch(decode_ids: list[int], offsets, ends, block_tables, block_size
         recent = key_positions[None, :] >= context_lens[:, None] - window
         window_mask = mask if max_context_len <= window else mask & recent[:, None, None, :]
     return DecodeBatch(
-        token_indices=_to_device(np.asarray(rows, dtype=np.int64), device),
+        token_indices=to_device(rows, device, torch.int64),
         token_slice=slice(rows[0], rows[0] + len(rows)) if contiguous else None,
         block_ids=block_tables[ids, :width].reshape(-1),
         mask=mask,

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from flotilla.engine.device_copy import to_device
 from flotilla.engine.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -125,9 +126,8 @@ def copy_blocks(kv_caches: Sequence[torch.Tensor], pairs: Sequence[tuple[int, in
     if not pairs:
         return
     device = kv_caches[0].device
-    # Non-blocking: a blocking copy to a GPU would wait for the step still running (engine.py, overlap).
-    src = torch.tensor([pair[0] for pair in pairs], dtype=torch.int64).to(device, non_blocking=True)
-    dst = torch.tensor([pair[1] for pair in pairs], dtype=torch.int64).to(device, non_blocking=True)
+    src = to_device([pair[0] for pair in pairs], device, torch.int64)
+    dst = to_device([pair[1] for pair in pairs], device, torch.int64)
     for layer in kv_caches:
         layer[:, dst] = layer[:, src]
 
