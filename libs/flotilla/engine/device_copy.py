@@ -26,8 +26,7 @@ def to_device(host: torch.Tensor | np.ndarray | Sequence, device: torch.device,
         tensor = torch.tensor(host, dtype=dtype)
     if dtype is not None and tensor.dtype != dtype:
         tensor = tensor.to(dtype)
-    return tensor.to(device, non_blocking=True) if device.type != "cuda" else pinned(tensor, device).to(
-        device, non_blocking=True)
+    return pinned(tensor, device).to(device, non_blocking=True)
 
 
 def pinned(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -91,13 +91,13 @@ class ModelRunner:
         # chunks of similar length into one call each.
         chunks = sorted(scheduler_output.chunks, key=lambda chunk: (chunk.num_tokens != 1, chunk.end))
         hook = self.kv_hook
-        token_ids = [c.request.token_ids_slice(c.start, c.end) for c in chunks]
-        placeholders = _placeholders(chunks, token_ids, previous, self.device)
+        input_ids = [c.request.token_ids_slice(c.start, c.end) for c in chunks]
+        placeholders = _placeholders(chunks, input_ids, previous, self.device)
         if hook is None and self._replays(chunks):
             hidden = self.graphs.run([cuda_graphs.DecodeRow(ids[0], c.start, c.block_ids)
-                                      for c, ids in zip(chunks, token_ids)], placeholders)
+                                      for c, ids in zip(chunks, input_ids)], placeholders)
         else:
-            hidden = self._forward(scheduler_output, chunks, token_ids, placeholders, hook)
+            hidden = self._forward(scheduler_output, chunks, input_ids, placeholders, hook)
         sampling = [i for i, chunk in enumerate(chunks) if chunk.samples]
         if not sampling:
             return PendingStep([], None)
