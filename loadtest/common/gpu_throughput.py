@@ -42,13 +42,7 @@ def engine_performance(model_dir: Path, device: torch.device, plan: Plan, seed: 
     engine = start_engine(model_dir, device, plan, cuda_graph_max_batch=plan.batch)
     engine.overlap_output_processing = True  # the CUDA default, set so that a dry run on a CPU takes this path too
     _timed_steps(engine, random_prompts(2, plan.decode_prompt_len, seed + 9), 4, device)  # compiles the kernels
-    one = random_prompts(1, plan.decode_prompt_len, seed + 1)
-    steps, _, _ = _timed_steps(engine, one, plan.decode_new_tokens, device)
-    decode_ms = statistics.median(steps[1:]) * 1e3
-    began = time.perf_counter()
-    _, tokens, seconds = _timed_steps(engine, random_prompts(plan.batch, plan.batch_prompt_len, seed + 2),
-                                      plan.batch_new_tokens, device)
-    batch_seconds = time.perf_counter() - began
+    decode = _decode_runs(engine, plan, seed + 1, seed + 2, device)
     prompts = random_prompts(plan.prefill_requests, plan.prefill_len, seed + 3)
     began = time.perf_counter()
     _timed_steps(engine, prompts, 1, device)
@@ -56,9 +50,9 @@ def engine_performance(model_dir: Path, device: torch.device, plan: Plan, seed: 
     result = {
         "attention_backend": engine.attention_backend, "dtype": str(engine.dtype).removeprefix("torch."),
         "cuda_graph_sizes": engine.runner.graphs.sizes if engine.runner.graphs is not None else [],
-        "decode_ms_per_token_batch1": decode_ms,
-        "decode_tok_s_batch": tokens / max(seconds, 1e-9),
-        "batch_end_to_end_tok_s": plan.batch * plan.batch_new_tokens / batch_seconds,
+        "decode_ms_per_token_batch1": decode["decode_ms_per_token_batch1"],
+        "decode_tok_s_batch": decode["decode_tok_s_batch"],
+        "batch_end_to_end_tok_s": plan.batch * plan.batch_new_tokens / decode["batch_seconds"],
         "prefill_tok_s": plan.prefill_requests * plan.prefill_len / prefill_seconds,
         "overlap_off": _decode_without_overlap(engine, plan, seed, device),
     }  # fmt: skip
@@ -67,17 +61,25 @@ def engine_performance(model_dir: Path, device: torch.device, plan: Plan, seed: 
     return result
 
 
+def _decode_runs(engine: LLMEngine, plan: Plan, seed_one: int, seed_batch: int, device: torch.device) -> dict:
+    """One sequence decoding (median ms a step), then a batch (tok/s once every request had its first token, and
+    the batch's seconds end to end)."""
+    steps, _, _ = _timed_steps(engine, random_prompts(1, plan.decode_prompt_len, seed_one), plan.decode_new_tokens,
+                               device)
+    began = time.perf_counter()
+    _, tokens, seconds = _timed_steps(engine, random_prompts(plan.batch, plan.batch_prompt_len, seed_batch),
+                                      plan.batch_new_tokens, device)
+    return {"decode_ms_per_token_batch1": statistics.median(steps[1:]) * 1e3,
+            "decode_tok_s_batch": tokens / max(seconds, 1e-9), "batch_seconds": time.perf_counter() - began}
+
+
 def _decode_without_overlap(engine: LLMEngine, plan: Plan, seed: int, device: torch.device) -> dict:
     """The decode runs again with each step read back before the next is scheduled (overlap_output_processing off):
     what the overlap saves is the difference."""
     engine.overlap_output_processing = False
-    steps, _, _ = _timed_steps(engine, random_prompts(1, plan.decode_prompt_len, seed + 4), plan.decode_new_tokens,
-                               device)
-    _, tokens, seconds = _timed_steps(engine, random_prompts(plan.batch, plan.batch_prompt_len, seed + 5),
-                                      plan.batch_new_tokens, device)
+    decode = _decode_runs(engine, plan, seed + 4, seed + 5, device)
     engine.overlap_output_processing = True
-    return {"decode_ms_per_token_batch1": statistics.median(steps[1:]) * 1e3,
-            "decode_tok_s_batch": tokens / max(seconds, 1e-9)}
+    return {key: decode[key] for key in ("decode_ms_per_token_batch1", "decode_tok_s_batch")}
 
 
 @torch.inference_mode()

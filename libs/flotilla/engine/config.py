@@ -37,8 +37,8 @@ class EngineConfig:
     keep_freed_host_memory: bool = True
     cuda_graphs: bool = True  # capture decode steps on cuda (cuda_graphs.py); ignored on cpu
     # Each step is scheduled and launched while the one before runs (its decodes read that step's tokens on the
-    # device), and a step's text is made while the next runs (engine.py, step); None: on for cuda, off on a cpu
-    # (where the host and the forward pass share the cores and nothing overlaps)
+    # device), and a step's text is made while the next runs (engine.py, step); None: on for cuda except for MoE
+    # models, off on a cpu (where the host and the forward pass share the cores and nothing overlaps)
     overlap_output_processing: bool | None = None
     cuda_graph_max_batch: int | None = None  # largest captured decode batch; None: max_num_seqs
     cuda_graph_memory_bytes: int = 2 << 30  # captures stop before their pool would pass this

@@ -285,17 +285,20 @@ class LLMEngine:
             tracked = self._tracked.get(request_id)
             if tracked is None or tracked.request is not launched_requests[request_id]:
                 continue  # ended (or aborted, and perhaps its id reused) since the launch
-            request = tracked.request
-            self._num_output_tokens_total += 1
-            grammar_complete = False
-            if request.grammar is not None:  # before the next step's mask is computed
-                request.grammar.consume_token(token_id)
-                grammar_complete = request.grammar.is_stopped()
+            grammar_complete = self._take_token(tracked.request, token_id)  # before the next step's mask
             reason = tracked.stop_checker.finish_without_text(token_id, grammar_complete)
             if reason is not None:  # out of the next schedule; _advance still makes its last output
-                self.scheduler.finish_request(request.request_id, reason)
+                self.scheduler.finish_request(request_id, reason)
             collected.append((tracked, token_id, grammar_complete, runner_output))
         return collected
+
+    def _take_token(self, request: Request, token_id: int) -> bool:
+        """Counts a sampled token and feeds it to the request's grammar; whether the grammar can take no more."""
+        self._num_output_tokens_total += 1
+        if request.grammar is None:
+            return False
+        request.grammar.consume_token(token_id)
+        return request.grammar.is_stopped()
 
     def _emit(self, collected: list[tuple[_Tracked, int, bool, ModelRunnerOutput]]) -> list[RequestOutput]:
         return [self._advance(tracked, token_id, runner_output, grammar_complete)
@@ -304,15 +307,10 @@ class LLMEngine:
     def _advance(self, tracked: _Tracked, token_id: int, runner_output: ModelRunnerOutput,
                  grammar_complete: bool | None = None) -> RequestOutput:
         """The token's text and output. grammar_complete None: the token is new here (a remote prefill's first
-        token): counted, and fed to the grammar, as _collect_in_flight does for a step's tokens."""
+        token, sampled under the same grammar on the prefill worker): taken as _collect takes a step's tokens."""
         request = tracked.request
         if grammar_complete is None:
-            self._num_output_tokens_total += 1
-            grammar_complete = False
-            if request.grammar is not None:
-                # The token came from the masked logits (on the prefill worker under the same grammar).
-                request.grammar.consume_token(token_id)
-                grammar_complete = request.grammar.is_stopped()
+            grammar_complete = self._take_token(request, token_id)
         decision = tracked.stop_checker.after_token(token_id, tracked.detokenizer.push([token_id]), grammar_complete)
         text = decision.text_delta
         if decision.finish_reason is not None:

@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import torch
 
+from flotilla.engine.device_copy import to_device
 from flotilla.engine.scheduler_output import BlockCopy
 
 # Device memory a swap-out may stage at once. Staged memory freed by the side stream stays cached for that stream,
@@ -100,9 +101,7 @@ class KVSwapper:
         layer = self.device_caches[0]
         if len(device_blocks) * len(self.device_caches) * layer[:, 0].numel() * layer.element_size() > STAGING_MAX_BYTES:
             return None
-        index = torch.tensor(device_blocks, dtype=torch.int64)
-        if layer.device.type == "cuda":  # pinned, so that its copy does not wait for the side stream's earlier copies
-            index = index.pin_memory().to(layer.device, non_blocking=True)
+        index = to_device(device_blocks, layer.device, torch.int64)  # pinned: no wait for the side stream's copies
         try:
             return [cache.index_select(1, index) for cache in self.device_caches]
         except torch.OutOfMemoryError:

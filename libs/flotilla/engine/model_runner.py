@@ -122,8 +122,8 @@ class ModelRunner:
                 and self.graphs.bucket_for(len(chunks)) is not None)
 
     def _forward(self, scheduler_output: SchedulerOutput, chunks: Sequence[ScheduledChunk],
-                 token_ids: Sequence[list[int]], placeholders: Placeholders | None, hook) -> torch.Tensor:
-        input_ids, positions = self._inputs(chunks, token_ids)
+                 chunk_input_ids: Sequence[list[int]], placeholders: Placeholders | None, hook) -> torch.Tensor:
+        input_ids, positions = self._inputs(chunks, chunk_input_ids)
         if placeholders is not None:
             input_ids[placeholders.at] = placeholders.ids
         meta = AttentionMetadata.build(
@@ -169,20 +169,20 @@ class Placeholders(NamedTuple):
     ids: torch.Tensor
 
 
-def _placeholders(chunks: Sequence[ScheduledChunk], token_ids: Sequence[list[int]], previous: PendingStep | None,
+def _placeholders(chunks: Sequence[ScheduledChunk], input_ids: Sequence[list[int]], previous: PendingStep | None,
                   device: torch.device) -> Placeholders | None:
-    """The step's PLACEHOLDER inputs, each the token the previous (still running) step sampled for its request."""
+    """The step's PLACEHOLDER inputs, each the token the previous (still running) step sampled for its request. A
+    request holds at most one, its last token (Request.awaits_token), so only a chunk's last input can be one."""
     at, rows, offset = [], [], 0
-    for chunk, ids in zip(chunks, token_ids):
-        for i, token_id in enumerate(ids if PLACEHOLDER in ids else ()):  # the scan in C: prefill chunks are long
-            if token_id == PLACEHOLDER:
-                row = previous.row_of(chunk.request.request_id) if previous is not None else None
-                if row is None:
-                    raise RuntimeError(f"request {chunk.request.request_id}: a placeholder token that no running "
-                                       "step samples")
-                at.append(offset + i)
-                rows.append(row)
+    for chunk, ids in zip(chunks, input_ids):
         offset += len(ids)
+        if ids[-1] != PLACEHOLDER:
+            continue
+        row = previous.row_of(chunk.request.request_id) if previous is not None else None
+        if row is None:
+            raise RuntimeError(f"request {chunk.request.request_id}: a placeholder token that no running step samples")
+        at.append(offset - 1)
+        rows.append(row)
     if not at:
         return None
     return Placeholders(to_device(at, device, torch.int64), previous.token_ids[to_device(rows, device, torch.int64)])

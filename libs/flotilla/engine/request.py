@@ -89,6 +89,11 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def reached_length(self, max_model_len: int | None) -> bool:
+        """Its output is as long as max_tokens allows, or its tokens fill the context window (None: no window)."""
+        return (self.num_output_tokens >= self.sampling_params.max_tokens
+                or (max_model_len is not None and self.num_tokens >= max_model_len))
+
     @property
     def awaits_token(self) -> bool:
         """Its last output token is a PLACEHOLDER: sampled by a step whose ids have not come back yet."""

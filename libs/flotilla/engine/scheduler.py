@@ -240,9 +240,9 @@ class Scheduler:
                 continue  # preempted as a victim earlier in this loop
             if step.hold_batch and request.priority >= Priority.BATCH:
                 continue  # paused for an interactive prefill, blocks kept
-            awaits_token = request.awaits_token
-            if awaits_token and self._ends_with_placeholder(request):
+            if self._last_token_in_flight(request):
                 continue  # its last token is on the device still: nothing more to compute
+            awaits_token = request.awaits_token
             num_new_tokens = min(request.num_uncomputed_tokens, step.budget)
             if num_new_tokens <= 0:
                 continue
@@ -264,12 +264,10 @@ class Scheduler:
             if not self._try_admit(request, step):
                 return  # strict head-of-line: later requests do not overtake
 
-    def _ends_with_placeholder(self, request: Request) -> bool:
-        """The placeholder is the request's last token (max_tokens or the context window): the engine finishes it
-        once the id comes back."""
-        max_len = self.config.max_model_len
-        return (request.num_output_tokens >= request.sampling_params.max_tokens
-                or (max_len is not None and request.num_tokens >= max_len))
+    def _last_token_in_flight(self, request: Request) -> bool:
+        """Its last token (max_tokens or the context window) is a placeholder: the engine finishes it once the id
+        comes back."""
+        return request.awaits_token and request.reached_length(self.config.max_model_len)
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int, step: _Step,
                              publish: bool = True) -> list[BlockCopy] | None:
@@ -288,7 +286,7 @@ class Scheduler:
         """Lowest priority (highest value), then newest, among running requests not scheduled yet; one whose last
         token is in flight (it ends when the token is read) only when there is no other."""
         candidates = [r for r in self._running if r.request_id not in step.scheduled_ids]
-        lasting = [r for r in candidates if not (r.awaits_token and self._ends_with_placeholder(r))]
+        lasting = [r for r in candidates if not self._last_token_in_flight(r)]
         return max(lasting or candidates, key=self._victim_key)
 
     def _victim_key(self, request: Request) -> tuple:

@@ -57,7 +57,7 @@ class StopChecker:
             return FinishReason.STOP, token_id
         if grammar_complete:
             return FinishReason.STOP, None
-        if self._request.num_output_tokens >= params.max_tokens or self._request.num_tokens >= self._max_model_len:
+        if self._request.reached_length(self._max_model_len):
             return FinishReason.LENGTH, None
         return None, None
 

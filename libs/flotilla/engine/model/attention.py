@@ -221,7 +221,6 @@ def _block_table_rows(seqs: Sequence[SeqChunk], ends: list[int], block_size: int
     return rows
 
 
-
 CPU_DECODE_GROUP_TOKENS = 4096  # ~4 MB of fp32 K/V per group for a 128-wide KV layer: stays in cache
 
 
