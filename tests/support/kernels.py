@@ -8,9 +8,9 @@ not start a process, the compiler included (tests/conftest.py)."""
 
 import pytest
 
-from flotilla.engine.model import decode_kernel, fused_ops, kernel_build, prefill_kernel
+from flotilla.engine.model import decode_kernel, fused_ops, kernel_build, panel_gemm, prefill_kernel
 
-KERNEL_MODULES = (decode_kernel, prefill_kernel, fused_ops)
+KERNEL_MODULES = (decode_kernel, prefill_kernel, fused_ops, panel_gemm)
 
 
 def kernels_cannot_build() -> bool:

@@ -29,7 +29,8 @@ class EngineConfig:
     dtype: str = "auto"  # "auto": float32 on cpu (no bf16 units here), the checkpoint's 16-bit type on cuda
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; or float8_e4m3fn / float8_e5m2 (half the KV bytes)
     attention_backend: str = "auto"  # "auto": triton on cuda, torch (SDPA + the C decode kernel) on cpu
-    # "auto": float32 linears through oneDNN with packed weights on a cpu (model/cpu_linear.py), F.linear elsewhere
+    # "auto": float32 linears on a cpu through the engine's own matmul with packed weights ("panel",
+    # model/panel_gemm.py), else oneDNN's ("onednn"), F.linear elsewhere ("torch"; model/cpu_linear.py)
     cpu_linear_backend: str = "auto"
     # Shapes each of oneDNN's primitive caches keeps (cpu_linear.bound_primitive_caches); None: oneDNN's 1,024
     onednn_primitive_cache_capacity: int | None = 16

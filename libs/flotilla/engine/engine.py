@@ -72,8 +72,8 @@ class LLMEngine:
         self.max_model_len = min(self.model_config.max_model_len, config.max_model_len or 1 << 62)
         self.model_version = model_version(config.model_dir)
         model = load_model(config.model_dir, self.dtype, self.device)
-        if self.linear_backend == "onednn":
-            cpu_linear.pack_linears(model)
+        if self.linear_backend != "torch":
+            cpu_linear.pack_linears(model, self.linear_backend)
         num_blocks = config.num_kv_blocks or self._blocks_for_budget()
         self.runner = ModelRunner(
             model, num_blocks, self.block_size, self.kv_cache_dtype, self.device, config.num_host_kv_blocks,

@@ -1,10 +1,12 @@
-"""Linear layers through oneDNN with their weights packed once at load: float32 matmuls on a CPU.
+"""Linear layers with their weights packed once at load: float32 matmuls on a CPU, through the engine's own
+matmul ("panel", model/panel_gemm.py: the default where its C kernel builds) or oneDNN ("onednn").
 
-Why: torch's CPU wheel sends `F.linear` to MKL's sgemm. On an AMD EPYC with AVX-512 (this project's VM since
+Why not F.linear: torch's CPU wheel sends `F.linear` to MKL's sgemm. On an AMD EPYC with AVX-512 (this project's VM since
 2026-12-04) MKL ran at ~200 GFLOP/s where oneDNN, which ships inside the same wheel as `torch.ops.mkldnn`, ran
 400-500 GFLOP/s at prefill shapes, 2-3x MKL at 64-row decode shapes and 3.8x on SmolLM2's 49,152-row lm_head
 for one row (docs/performance.md, "oneDNN linears"). vLLM's CPU build calls oneDNN too. Packing reorders
-each weight into oneDNN's blocked layout once, instead of on every call.
+each weight into oneDNN's blocked layout once, instead of on every call. The panel matmul runs as fast per core
+and without oneDNN's OpenMP wake-up per call (docs/performance.md, "The engine's own matmul").
 
 The packed weight replaces the dense one; a tied lm_head keeps the embedding (the lookup needs it) and adds
 a packed copy of it (vocabulary x hidden x 4 bytes). Results differ from MKL's by float32 rounding only (the
@@ -18,7 +20,9 @@ import os
 import torch
 from torch import nn
 
-BACKENDS = ("auto", "onednn", "torch")
+from flotilla.engine.model import panel_gemm
+
+BACKENDS = ("auto", "panel", "onednn", "torch")
 # Batch size oneDNN picks its packed layout for; measured the same or better than 1 or 2,048 at 1-2,048 rows.
 _PACKING_BATCH_HINT = 64
 
@@ -68,15 +72,20 @@ def bound_primitive_caches(capacity: int) -> None:
 
 
 def resolve(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The backend the engine's linears use: "onednn" (packed) or "torch" (F.linear). "auto" is onednn for float32
-    on a CPU whose torch build has a working oneDNN, torch everywhere else (GPUs: cuBLAS)."""
+    """The backend the engine's linears use: "panel" or "onednn" (packed) or "torch" (F.linear). "auto" is panel
+    for float32 on a CPU where its kernel builds, else onednn where this torch build's oneDNN works, and torch
+    everywhere else (GPUs: cuBLAS)."""
     if name not in BACKENDS:
         raise ValueError(f"cpu_linear_backend must be one of {BACKENDS}, got {name!r}")
     applies = device.type == "cpu" and dtype == torch.float32
-    if name == "onednn" and not applies:
-        raise ValueError(f"cpu_linear_backend 'onednn' packs float32 weights on a cpu, not {dtype} on {device.type}")
+    if name in ("panel", "onednn") and not applies:
+        raise ValueError(f"cpu_linear_backend {name!r} packs float32 weights on a cpu, not {dtype} on {device.type}")
     if name == "torch" or not applies:
         return "torch"
+    if name in ("auto", "panel") and panel_gemm.load() is not None:
+        return "panel"
+    if name == "panel":
+        raise ValueError("cpu_linear_backend 'panel': its C kernel could not be built (see the log)")
     if not onednn_works():
         if name == "onednn":
             raise ValueError("cpu_linear_backend 'onednn': this torch build's oneDNN linear is missing or wrong")
@@ -98,12 +107,14 @@ def onednn_works() -> bool:
         return False
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replaces every nn.Linear of `model` by a PackedLinear, in place; returns how many."""
+def pack_linears(model: nn.Module, backend: str = "onednn") -> int:
+    """Replaces every nn.Linear of `model` by a PackedLinear ("onednn") or a PanelLinear ("panel"), in place;
+    returns how many."""
+    packed_linear = {"onednn": PackedLinear, "panel": panel_gemm.PanelLinear}[backend]
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, packed_linear(child))
                 replaced += 1
     return replaced

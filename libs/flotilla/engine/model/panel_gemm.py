@@ -1,0 +1,94 @@
+"""Float32 linears on a CPU through the engine's own matmul (csrc/panel_gemm.c) and its thread pool
+(csrc/spin_pool.h), with each weight packed once into panels of 32 output columns.
+
+Why not oneDNN: per core it runs these matmuls no faster, but every call opens an OpenMP region, and under
+OMP_WAIT_POLICY=PASSIVE (which the `flotilla` command sets: spinning OpenMP threads on shared cores made steps
+several times slower) waking its second thread costs ~70 us a call, as long as a tiny model's decode-step matmul
+itself. The pool's workers spin for SPIN_NS after each matmul, so the next one of the same step finds them awake,
+and sleep once the step is over. A row's result does not depend on the rows beside it (each row's sums run in the
+same order at every batch size), as with oneDNN. Weights take the memory of the dense ones (out_features rounded
+up to 32); the dense weight is dropped, a tied lm_head keeps the embedding it shares.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from flotilla.engine.model.kernel_build import KernelLibrary
+
+CFLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC"]
+# How long a worker spins for the next matmul before it sleeps: longer than the gaps inside a step (Python and
+# element-wise kernels between two matmuls, ~10-40 us), short against the time between steps and against
+# attention, which runs on OpenMP's threads while the pool's worker spins its last SPIN_NS on the same cores.
+SPIN_NS = 50_000
+
+_ptr, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    library.panel_gemm_packed_floats.restype = _i64
+    library.panel_gemm_packed_floats.argtypes = [_i64, _i64]
+    library.panel_gemm_pack_f32.restype = None
+    library.panel_gemm_pack_f32.argtypes = [_ptr, _i64, _i64, _ptr]
+    library.panel_gemm_f32.restype = None
+    library.panel_gemm_f32.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _i64]
+
+
+_library = KernelLibrary("panel_gemm.c", CFLAGS, _declare)
+
+
+def load() -> ctypes.CDLL | None:
+    return _library.load()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] (float32, cpu) in panels of 32 output columns, for `matmul`."""
+    library = _required()
+    weight = weight.detach().contiguous()
+    out_features, in_features = weight.shape
+    packed = torch.empty(library.panel_gemm_packed_floats(out_features, in_features), dtype=torch.float32)
+    library.panel_gemm_pack_f32(weight.data_ptr(), out_features, in_features, packed.data_ptr())
+    return packed
+
+
+def matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [..., in] @ weight.T + bias, with `packed` from `pack(weight)`."""
+    library = _required()
+    in_features = x.shape[-1]
+    rows = x.reshape(-1, in_features)
+    if rows.dtype != torch.float32 or rows.device.type != "cpu":
+        raise ValueError(f"panel matmul takes float32 cpu rows, got {rows.dtype} on {rows.device}")
+    rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
+    if rows.shape[0]:
+        library.panel_gemm_f32(rows.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                               out.data_ptr(), rows.shape[0], out_features, in_features, torch.get_num_threads(),
+                               SPIN_NS)
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+def _required() -> ctypes.CDLL:
+    library = load()
+    if library is None:
+        raise RuntimeError("the panel matmul kernel is not available (no C compiler, or FLOTILLA_DISABLE_KERNELS)")
+    return library
+
+
+class PanelLinear(nn.Module):
+    """nn.Linear's forward through `matmul`, its weight packed (kept out of the module's parameters and state
+    dict: nothing but this forward reads it)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed_weight = pack(linear.weight)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return matmul(x, self.packed_weight, self.bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
