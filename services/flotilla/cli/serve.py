@@ -31,8 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="auto: the model's dtype; float8_e4m3fn or float8_e5m2 halve the KV bytes")
     worker.add_argument("--attention-backend", choices=("auto", "triton", "torch"), default="auto",
                         help="auto: the Triton kernels on cuda, the torch path (and C decode kernel) on cpu")
-    worker.add_argument("--cpu-linear-backend", choices=("auto", "onednn", "torch"), default="auto",
-                        help="auto: float32 linears through oneDNN with packed weights on cpu, F.linear elsewhere")
+    worker.add_argument("--cpu-linear-backend", choices=("auto", "panel", "onednn", "torch"), default="auto",
+                        help="auto: float32 linears on cpu through the engine's own matmul with packed weights "
+                             "(panel), else oneDNN's; F.linear elsewhere")
     worker.add_argument("--no-keep-freed-host-memory", action="store_true",
                         help="on cpu, let glibc hand memory freed between steps back to the kernel (smaller resident "
                              "size between bursts; each step then faults its activations in again)")

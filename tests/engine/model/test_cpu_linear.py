@@ -58,6 +58,8 @@ def test_pack_linears_replaces_every_linear_and_keeps_the_embedding(checkpoint_f
     assert cpu_linear.pack_linears(model, backend) == num_linears > 0
     assert not any(type(m) is nn.Linear for m in model.modules())
     assert sum(type(m) is PACKED_LINEAR[backend] for m in model.modules()) == num_linears
+    gated = [m for m in model.modules() if getattr(m, "applies_silu_mul", False)]
+    assert len(gated) == (model.config.num_layers if backend == "panel" else 0)  # each MLP's gate/up
     assert model.model.embed_tokens.weight is embedding  # the lookup still reads the dense matrix
     assert all(p.layout == torch.strided for p in model.parameters())  # packed weights are not parameters
 

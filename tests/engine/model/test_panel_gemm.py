@@ -1,6 +1,6 @@
 """The engine's own CPU matmul (model/panel_gemm.py, csrc/panel_gemm.c on the pool of csrc/spin_pool.h) against
 F.linear: row counts that leave partial register tiles and row blocks, widths that leave a partial panel, bias,
-one and two threads, the build without AVX-512; a row's result bit for bit the same whatever rows share its call
+one and two threads, the build without AVX-512; the gated gate/up matmul against SiLU(gate) * up; a row's result bit for bit the same whatever rows share its call
 and however many threads run it; and two threads calling at once."""
 
 import os
@@ -66,6 +66,28 @@ def test_panel_matmul_equals_f_linear(rows, in_features, out_features, bias, thr
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 8, 64, 600])
+@pytest.mark.parametrize("intermediate", [16, 40, 704])  # one panel, a partial one, tiny's 44
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gated_matmul_equals_silu_of_gate_times_up(rows, intermediate, threads, kernel_build, monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    linear = _linear(96, 2 * intermediate, False, seed=rows + intermediate)
+    x = torch.randn(rows, 96) * 3
+    with torch.inference_mode():
+        gate, up = F.linear(x.double(), linear.weight.double()).chunk(2, dim=-1)
+        gated = panel_gemm.PanelLinear(linear, gated=True)
+        got = gated(x)
+    assert gated.out_features == intermediate and got.shape == (rows, intermediate)
+    torch.testing.assert_close(got.double(), F.silu(gate) * up, rtol=1e-5, atol=1e-4)
+
+
+def test_a_gated_linear_refuses_a_bias_or_an_odd_width():
+    with pytest.raises(ValueError, match="no bias"):
+        panel_gemm.PanelLinear(_linear(16, 32, True, seed=5), gated=True)
+    with pytest.raises(ValueError, match="even row count"):
+        panel_gemm.pack(torch.randn(33, 16), gated=True)
+
+
 def test_any_leading_shape_and_strided_input():
     linear = _linear(64, 48, True, seed=1)
     x = torch.randn(5, 3, 128)[..., ::2]  # [5, 3, 64], not contiguous
@@ -87,15 +109,15 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it_or_the_threads(in_f
     """Bit for bit, so a sequence's logits, seeded draws and a resumed stream's tokens do not depend on what shares
     its step, nor on the pool's size."""
     linear = _linear(in_features, out_features, False, seed=out_features)
-    packed = panel_gemm.PanelLinear(linear)
     x = torch.randn(600, in_features)
-    with torch.inference_mode():
-        everything = packed(x)
-        for threads in (1, 2, 3):
-            monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
-            for rows in (1, 2, 7, 8, 9, 63, 64, 65, 129, 513, 600):
-                assert torch.equal(packed(x[:rows]), everything[:rows]), (threads, rows)
-            assert torch.equal(packed(x[300:309]), everything[300:309]), threads  # rows from the middle
+    for packed in (panel_gemm.PanelLinear(linear), panel_gemm.PanelLinear(linear, gated=out_features % 2 == 0)):
+        with torch.inference_mode():
+            everything = packed(x)
+            for threads in (1, 2, 3):
+                monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
+                for rows in (1, 2, 7, 8, 9, 63, 64, 65, 129, 513, 600):
+                    assert torch.equal(packed(x[:rows]), everything[:rows]), (threads, rows)
+                assert torch.equal(packed(x[300:309]), everything[300:309]), threads  # rows from the middle
 
 
 def test_two_threads_calling_at_once_both_get_their_own_results(monkeypatch):

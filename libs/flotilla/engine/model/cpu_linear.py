@@ -109,12 +109,19 @@ def onednn_works() -> bool:
 
 def pack_linears(model: nn.Module, backend: str = "onednn") -> int:
     """Replaces every nn.Linear of `model` by a PackedLinear ("onednn") or a PanelLinear ("panel"), in place;
-    returns how many."""
-    packed_linear = {"onednn": PackedLinear, "panel": panel_gemm.PanelLinear}[backend]
+    returns how many. With "panel", the linear a module names as its `silu_mul_input` (a Llama MLP's gate/up) is
+    packed gated: it returns SiLU(gate) * up (model/panel_gemm.py)."""
+    if backend not in ("onednn", "panel"):
+        raise ValueError(f"pack_linears packs for 'onednn' or 'panel', not {backend!r}")
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                setattr(parent, name, packed_linear(child))
-                replaced += 1
+            if type(child) is not nn.Linear:
+                continue
+            if backend == "onednn":
+                setattr(parent, name, PackedLinear(child))
+            else:
+                gated = getattr(parent, "silu_mul_input", None) == name and child.bias is None
+                setattr(parent, name, panel_gemm.PanelLinear(child, gated))
+            replaced += 1
     return replaced

@@ -76,8 +76,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act = _ACTIVATIONS[config.hidden_act]
         self.is_silu = config.hidden_act == "silu"
+        # cpu_linear.pack_linears may swap this linear for one that applies SiLU(gate) * up itself
+        self.silu_mul_input = "gate_up_proj" if self.is_silu else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self.gate_up_proj, "applies_silu_mul", False):  # the panel matmul's gated tiles (CPU)
+            return self.down_proj(self.gate_up_proj(x))
         if self.is_silu:  # one pass on the CPU (fused_ops), the torch ops elsewhere
             return self.down_proj(fused_ops.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

@@ -1,4 +1,5 @@
-/* out[M, N] = x[M, K] @ W[N, K]^T (+ bias) for the few rows of a decode step, on the threads of spin_pool.h.
+/* out[M, N] = x[M, K] @ W[N, K]^T (+ bias) for the engine's CPU linears, on the threads of spin_pool.h; and a
+ * Llama MLP's gate/up matmul with SiLU(gate) * up applied to its tiles before they are stored.
  *
  * oneDNN does the same matmuls as fast per core, but each call opens an OpenMP region, and under
  * OMP_WAIT_POLICY=PASSIVE waking its second thread costs ~70 us a call on the project's VM, as much as the
@@ -6,14 +7,19 @@
  * of spin_pool.h are still spinning from the previous matmul of the step.
  *
  * W is packed once into panels of PANEL columns: panel p holds W[p*PANEL + j][k] at [p][k][j], columns past N
- * zero. One item of work is one panel for all M rows: ROWS rows at a time, each a register tile of ROWS x PANEL
- * accumulators, the panel's K x PANEL floats read from cache once per tile and each x element broadcast once. */
+ * zero. Gated, W is [2I, K] (gate rows, then up rows) and panel p holds the gate rows p*16 + j in its first 16
+ * columns and the matching up rows in its last 16, so one tile holds both halves of 16 outputs. One item of work
+ * is one panel for a block of rows: ROWS rows at a time, each a register tile of ROWS x PANEL accumulators, the
+ * panel's K x PANEL floats read from cache once per tile and each x element broadcast once. Each row's sums run
+ * in the same order whatever rows and threads share the call, so its result is the same bit for bit. */
 #include <stdint.h>
 #include <string.h>
 
 #include "spin_pool.h"
+#include "vector_exp.h"
 
 #define PANEL 32
+#define HALF (PANEL / 2)
 /* A tile's accumulators: ROWS x PANEL / 16 vectors of 16 floats. AVX-512 has 32 registers (16 accumulators,
  * two panel vectors, a broadcast); with AVX2 a 16-float vector takes two of its 16 registers. */
 #if defined(__AVX512F__)
@@ -24,20 +30,30 @@
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 
-int64_t panel_gemm_packed_floats(int64_t n, int64_t k) { return (n + PANEL - 1) / PANEL * PANEL * k; }
+/* Floats of packed weight for W [n, k]: whole panels. Gated, n is 2I and each panel covers 16 outputs. */
+int64_t panel_gemm_packed_floats(int64_t n, int64_t k, int gated) {
+    const int64_t per_panel = gated ? HALF : PANEL, outputs = gated ? n / 2 : n;
+    return (outputs + per_panel - 1) / per_panel * PANEL * k;
+}
 
-void panel_gemm_pack_f32(const float *w, int64_t n, int64_t k, float *packed) {
-    const int64_t panels = (n + PANEL - 1) / PANEL;
-    memset(packed, 0, sizeof(float) * panels * PANEL * k);
-    for (int64_t col = 0; col < n; col++) {
-        float *panel = packed + col / PANEL * PANEL * k + col % PANEL;
-        for (int64_t i = 0; i < k; i++) panel[i * PANEL] = w[col * k + i];
+void panel_gemm_pack_f32(const float *w, int64_t n, int64_t k, int gated, float *packed) {
+    memset(packed, 0, sizeof(float) * panel_gemm_packed_floats(n, k, gated));
+    for (int64_t row = 0; row < n; row++) { /* W's row `row` is one packed column */
+        int64_t column = row;
+        if (gated) { /* up row I + j sits 16 columns after gate row j, in the same panel */
+            const int64_t half = n / 2, output = row % half;
+            column = output / HALF * PANEL + (row >= half ? HALF : 0) + output % HALF;
+        }
+        float *panel = packed + column / PANEL * PANEL * k + column % PANEL;
+        for (int64_t i = 0; i < k; i++) panel[i * PANEL] = w[row * k + i];
     }
 }
 
-/* rows (1..ROWS) x PANEL of out, from x's rows and one panel; `cols` of the panel's columns are real. */
+/* rows (1..ROWS) of a panel's outputs from x's rows: PANEL of them, `cols` real; gated, SiLU(gate) * up for HALF
+ * of them. */
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t k, const float *panel, const float *bias,
-                                                       float *out, int64_t ldo, int cols, const int rows) {
+                                                       float *out, int64_t ldo, int cols, const int rows,
+                                                       const int gated) {
     v16 acc[ROWS][2];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = (v16){0};
     for (int64_t i = 0; i < k; i++) {
@@ -54,9 +70,15 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t k
             acc[r][0] += *(const v16 *)bias;
             acc[r][1] += *(const v16 *)(bias + 16);
         }
-        if (cols == PANEL) {
+        int width = PANEL;
+        if (gated) {
+            const v16 gate = acc[r][0];
+            acc[r][0] = gate / (1.0f + exp16(-gate)) * acc[r][1];
+            width = HALF;
+        }
+        if (cols == width) {
             *(v16 *)(out + r * ldo) = acc[r][0];
-            *(v16 *)(out + r * ldo + 16) = acc[r][1];
+            if (!gated) *(v16 *)(out + r * ldo + 16) = acc[r][1];
         } else { /* the last panel: only its real columns */
             *(v16 *)row = acc[r][0];
             *(v16 *)(row + 16) = acc[r][1];
@@ -72,7 +94,8 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t k
 typedef struct {
     const float *x, *packed, *bias;
     float *out;
-    int64_t m, n, k, panels, row_block;
+    int64_t m, n, k, panels, row_block; /* n: out's width (I, gated) */
+    int gated;
 } gemm_task;
 
 static void panel_item(void *context, int64_t item) {
@@ -84,28 +107,38 @@ static void panel_item(void *context, int64_t item) {
     block.m = whole->m - first_row < whole->row_block ? whole->m - first_row : whole->row_block;
     const gemm_task *t = &block;
     const float *panel = t->packed + p * PANEL * t->k;
-    const int64_t col = p * PANEL;
-    const int cols = t->n - col < PANEL ? (int)(t->n - col) : PANEL;
+    const int64_t per_panel = t->gated ? HALF : PANEL, col = p * per_panel;
+    const int cols = t->n - col < per_panel ? (int)(t->n - col) : (int)per_panel;
     float bias[PANEL] = {0};
     if (t->bias != NULL) memcpy(bias, t->bias + col, sizeof(float) * cols);
     const float *b = t->bias != NULL ? bias : NULL;
     int64_t r = 0;
-    for (; r + ROWS <= t->m; r += ROWS) tile(t->x + r * t->k, t->k, panel, b, t->out + r * t->n + col, t->n, cols, ROWS);
-    switch (t->m - r) { /* the rows left over, each count compiled apart */
-#define REST(n_)                                                                                  \
-    case n_:                                                                                      \
-        tile(t->x + r * t->k, t->k, panel, b, t->out + r * t->n + col, t->n, cols, (n_) % ROWS); \
-        break;
-        REST(1) REST(2) REST(3) REST(4) REST(5) REST(6) REST(7)
-#undef REST
-    default:
-        break;
+    /* Each row count and mode compiled apart (constant `rows` and `gated`: the tile's loops unroll). */
+#define TILES(gated_)                                                                                     \
+    for (; r + ROWS <= t->m; r += ROWS)                                                                   \
+        tile(t->x + r * t->k, t->k, panel, b, t->out + r * t->n + col, t->n, cols, ROWS, gated_);         \
+    switch (t->m - r) { /* the rows left over */                                                          \
+        REST(1, gated_) REST(2, gated_) REST(3, gated_) REST(4, gated_) REST(5, gated_) REST(6, gated_)   \
+        REST(7, gated_) default : break;                                                                  \
     }
+#define REST(n_, gated_)                                                                                  \
+    case n_:                                                                                              \
+        tile(t->x + r * t->k, t->k, panel, b, t->out + r * t->n + col, t->n, cols, (n_) % ROWS, gated_); \
+        break;
+    if (t->gated) {
+        TILES(1)
+    } else {
+        TILES(0)
+    }
+#undef REST
+#undef TILES
 }
 
+/* out [m, n] = x [m, k] @ W^T (+ bias); gated (W [2n, k], no bias): SiLU(x @ gate^T) * (x @ up^T). */
 void panel_gemm_f32(const float *x, const float *packed, const float *bias, float *out, int64_t m, int64_t n,
-                    int64_t k, int num_threads, int64_t spin_ns) {
-    const int64_t panels = (n + PANEL - 1) / PANEL, row_block = m > 2 * ROW_BLOCK ? ROW_BLOCK : m;
-    gemm_task task = {x, packed, bias, out, m, n, k, panels, row_block};
+                    int64_t k, int gated, int num_threads, int64_t spin_ns) {
+    const int64_t panels = (n + (gated ? HALF : PANEL) - 1) / (gated ? HALF : PANEL);
+    const int64_t row_block = m > 2 * ROW_BLOCK ? ROW_BLOCK : m;
+    gemm_task task = {x, packed, gated ? NULL : bias, out, m, n, k, panels, row_block, gated};
     spin_pool_run(num_threads, spin_ns, panel_item, &task, (m + row_block - 1) / row_block * panels);
 }
