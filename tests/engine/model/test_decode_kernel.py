@@ -142,3 +142,28 @@ def test_kernel_matches_the_definition_on_long_scattered_contexts(num_heads, num
     out = decode_kernel.paged_decode_attention(q, kv_cache, tables, lens, scale=scale, window=window, softcap=softcap)
     torch.testing.assert_close(out, _reference(q, kv_cache, tables, lens, scale, window, softcap),
                                atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_matmul_pool_and_openmp_give_the_same_bits(threads, monkeypatch):
+    """Sequences go out on the panel matmul's thread pool where it loads (csrc/paged_decode_attention.c), else
+    in an OpenMP region; each sequence is computed alone either way, so the outputs are equal bit for bit."""
+    library = decode_kernel.load()
+    if decode_kernel.panel_gemm.pool_run_address() is None:
+        pytest.skip("the panel matmul's library is not available")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    torch.manual_seed(3)
+    lens = torch.tensor([5, 130, 1, 257, 64, 300, 129, 2, 90], dtype=torch.int64)
+    width = int((lens.max() + 127) // 128)
+    kv_cache = torch.randn(layer_shape(len(lens) * width + 2, 128, 4, 32))
+    tables = torch.randperm(len(lens) * width + 2)[: len(lens) * width].view(len(lens), width).contiguous()
+    q = torch.randn(len(lens), 8, 32)
+    try:
+        decode_kernel.share_the_matmul_pool(library, share=False)
+        openmp = decode_kernel.paged_decode_attention(q, kv_cache, tables, lens)
+    finally:
+        decode_kernel.share_the_matmul_pool(library)
+    pooled = decode_kernel.paged_decode_attention(q, kv_cache, tables, lens)
+    assert torch.equal(pooled, openmp)
+    torch.testing.assert_close(pooled, _reference(q, kv_cache, tables, lens, 32 ** -0.5, None, None),
+                               atol=2e-5, rtol=2e-5)

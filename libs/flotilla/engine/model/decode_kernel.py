@@ -1,6 +1,8 @@
 """The CPU decode-attention kernel (csrc/paged_decode_attention.c): built with the system C compiler on
 first use, cached by source digest and CPU, called through ctypes (kernel_build.py). Where it cannot be built (no
-compiler, FLOTILLA_DISABLE_KERNELS) or does not apply (GPU, 16-bit K/V), attention uses the torch path."""
+compiler, FLOTILLA_DISABLE_KERNELS) or does not apply (GPU, 16-bit K/V), attention uses the torch path. Where
+the engine's panel matmul loads too (panel_gemm.py), the kernel shares out sequences on that matmul's thread pool,
+else in an OpenMP region."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import ctypes
 
 import torch
 
+from flotilla.engine.model import panel_gemm
 from flotilla.engine.model.kernel_build import CSRC, KernelLibrary
 from flotilla.engine.model.kv_cache import layer_dims
 
@@ -26,6 +29,16 @@ def _declare(library: ctypes.CDLL) -> None:
         ctypes.c_float,  # softcap
         ctypes.c_int,
     ]
+    library.paged_decode_attention_use_pool.restype = None
+    library.paged_decode_attention_use_pool.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    share_the_matmul_pool(library)
+
+
+def share_the_matmul_pool(library: ctypes.CDLL, share: bool = True) -> None:
+    """Sequences go out on the panel matmul's thread pool (share) or in an OpenMP region: on the pool, a layer's
+    attention finds the worker still spinning from its qkv matmul (csrc/paged_decode_attention.c)."""
+    run = panel_gemm.pool_run_address() if share else None
+    library.paged_decode_attention_use_pool(run, panel_gemm.SPIN_NS)
 
 
 _library = KernelLibrary(SOURCE.name, CFLAGS, _declare)

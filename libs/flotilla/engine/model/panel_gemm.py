@@ -78,6 +78,13 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
     return out.reshape(*x.shape[:-1], out_features)
 
 
+def pool_run_address() -> int | None:
+    """The address of the pool's C entry point (panel_gemm_pool_run), for kernels that share its threads; None
+    where the library is not available."""
+    library = load()
+    return None if library is None else ctypes.cast(library.panel_gemm_pool_run, ctypes.c_void_p).value
+
+
 def _required() -> ctypes.CDLL:
     library = load()
     if library is None:

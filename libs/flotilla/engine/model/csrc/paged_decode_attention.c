@@ -18,6 +18,7 @@
  * either off.
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -411,6 +412,45 @@ static float *scores_at_least(float *scores, int64_t *capacity, int64_t needed) 
     return scores;
 }
 
+/* The thread pool of the engine's CPU matmul (csrc/spin_pool.h, compiled into panel_gemm.c), set by
+ * decode_kernel.py where that library loads: its workers are still spinning from the step's qkv matmul when the
+ * layer's attention starts, where an OpenMP region would wake a sleeping thread (~45 us under
+ * OMP_WAIT_POLICY=PASSIVE) while the pool's worker spins beside it. NULL: OpenMP. */
+typedef void (*pool_item_fn)(void *context, int64_t item);
+typedef void (*pool_run_fn)(int num_threads, int64_t spin_ns, pool_item_fn fn, void *context, int64_t items);
+static pool_run_fn pool_run;
+static int64_t pool_spin_ns;
+
+void paged_decode_attention_use_pool(void *run, int64_t spin_ns) {
+    pool_run = (pool_run_fn)run;
+    pool_spin_ns = spin_ns;
+}
+
+typedef struct {
+    const float *q, *k_cache, *v_cache;
+    const int64_t *block_tables, *context_lens;
+    float *out;
+    int64_t q_stride, num_heads, num_kv_heads, head_dim, block_size, table_width, window;
+    float scale, softcap;
+    _Atomic int status;
+} DecodeTask;
+
+/* One sequence, on whichever pool thread takes it; each thread keeps its scores buffer for the next call. */
+static void attend_pool_item(void *context, int64_t b) {
+    DecodeTask *t = context;
+    static __thread float *scores;
+    static __thread int64_t capacity;
+    const int64_t first = t->window > 0 && t->context_lens[b] > t->window ? t->context_lens[b] - t->window : 0;
+    scores = scores_at_least(scores, &capacity, t->num_heads * (t->context_lens[b] - first + 1));
+    if (scores == NULL) {
+        t->status = -2;
+        return;
+    }
+    attend_sequence(t->q + b * t->q_stride, t->k_cache, t->v_cache, t->block_tables + b * t->table_width, first,
+                    t->context_lens[b], t->block_size, t->num_heads, t->num_kv_heads, t->head_dim, t->scale,
+                    t->softcap, scores, t->out + b * t->num_heads * t->head_dim);
+}
+
 int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *kv, const int64_t *block_tables,
                                const int64_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,
                                int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
@@ -418,6 +458,12 @@ int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *kv
     if (num_kv_heads < 1 || num_heads % num_kv_heads) return -1;
     const float *k_cache = kv;
     const float *v_cache = kv + num_blocks * block_size * num_kv_heads * head_dim;
+    if (pool_run != NULL) {
+        DecodeTask task = {q, k_cache, v_cache, block_tables, context_lens, out, q_stride, num_heads, num_kv_heads,
+                           head_dim, block_size, table_width, window, scale, softcap, 0};
+        pool_run(num_threads, pool_spin_ns, attend_pool_item, &task, num_seqs);
+        return task.status;
+    }
     int status = 0;
 #pragma omp parallel num_threads(num_threads)
     {

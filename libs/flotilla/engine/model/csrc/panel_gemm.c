@@ -142,3 +142,8 @@ void panel_gemm_f32(const float *x, const float *packed, const float *bias, floa
     gemm_task task = {x, packed, gated ? NULL : bias, out, m, n, k, panels, row_block, gated};
     spin_pool_run(num_threads, spin_ns, panel_item, &task, (m + row_block - 1) / row_block * panels);
 }
+
+/* The pool itself, for the other kernels that share its threads (paged_decode_attention.c takes its address). */
+void panel_gemm_pool_run(int num_threads, int64_t spin_ns, spin_pool_item_fn fn, void *context, int64_t items) {
+    spin_pool_run(num_threads, spin_ns, fn, context, items);
+}
