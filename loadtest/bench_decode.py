@@ -26,7 +26,7 @@ if __package__ in (None, ""):  # run as a file: make `loadtest.*` importable
 
 import torch
 
-from flotilla.engine.config import EngineConfig
+from flotilla.engine.config import CPU_LINEAR_BACKENDS, EngineConfig
 from flotilla.engine.engine import LLMEngine
 from flotilla.engine.sampling_params import SamplingParams
 from flotilla.engine.tokenizer import Tokenizer
@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--bandwidth-mib", type=int, default=512, help="buffer size of the bandwidth measurement")
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--cpu-linear-backend", choices=CPU_LINEAR_BACKENDS, default="auto",
+                   help="the engine's linears on a cpu (EngineConfig.cpu_linear_backend), for A/B runs")
     args = p.parse_args(argv)
     if args.output_len < 2 or args.rounds < 1:
         p.error("--output-len must be >= 2 and --rounds >= 1")
@@ -75,8 +77,8 @@ def decode_ms(generate: Callable[[int], None], output_len: int) -> float:
     return (total - first) / (output_len - 1) * 1e3
 
 
-def engine_generator(model_dir: Path, prompt: list[int]) -> Callable[[int], None]:
-    engine = LLMEngine(EngineConfig(model_dir=str(model_dir), num_kv_blocks=64))
+def engine_generator(model_dir: Path, prompt: list[int], cpu_linear_backend: str) -> Callable[[int], None]:
+    engine = LLMEngine(EngineConfig(model_dir=str(model_dir), num_kv_blocks=64, cpu_linear_backend=cpu_linear_backend))
 
     def generate(num_tokens: int) -> None:
         params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
@@ -103,7 +105,7 @@ def run(args: argparse.Namespace) -> dict:
     model_dir = resolve_model_dir(args)
     tokenizer = Tokenizer.from_pretrained(model_dir)
     prompt = tokenizer.encode_chat(PROMPT)
-    systems = {"engine": engine_generator(model_dir, prompt)}
+    systems = {"engine": engine_generator(model_dir, prompt, args.cpu_linear_backend)}
     if not args.skip_transformers:
         pad_id = min(tokenizer.eos_token_ids)
         systems["transformers"] = transformers_generator(model_dir, prompt, pad_id)
@@ -131,6 +133,7 @@ def run(args: argparse.Namespace) -> dict:
         "output_len": args.output_len,
         "rounds": args.rounds,
         "torch_threads": torch.get_num_threads(),
+        "cpu_linear_backend": args.cpu_linear_backend,
         "load_average": os.getloadavg()[0],
         "decode_ms_per_token": {name: round(value, 2) for name, value in medians.items()},
         "decode_ms_per_token_rounds": {name: [round(v, 2) for v in values] for name, values in rounds.items()},

@@ -2,7 +2,8 @@
 workload's shapes, each op's self time put in one of matmul / attention / element-wise / other, and the rest
 of the step's wall time (Python: scheduler, metadata, sampling, module calls) as overhead. The C kernels (ctypes
 calls) are labelled: fused_ops::* counts as element-wise (its K/V cache writes, write_rows, as attention),
-decode_kernel::* and prefill_kernel::* as attention. Prints one JSON object.
+decode_kernel::* and prefill_kernel::* as attention, panel_gemm::matmul (the engine's own linears; a gate/up one
+applies SiLU x up too) as matmul. Prints one JSON object.
 
     python loadtest/profile_engine.py --size small --steps 3
 """
@@ -35,7 +36,8 @@ from flotilla.engine.sampling_params import SamplingParams
 from flotilla.models.checkpoint import SIZES
 from loadtest.common.checkpoint_cache import default_cache_dir, ensure_checkpoint
 
-MATMUL = ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "mkldnn::_linear_pointwise")
+MATMUL = ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "mkldnn::_linear_pointwise",
+          "panel_gemm::matmul")
 ATTENTION = ("sdpa", "scaled_dot_product", "flash_attention", "index_select", "index_copy", "index_put",
              "decode_kernel", "prefill_kernel", "_softmax", "write_rows")  # write_rows: the K/V cache writes
 OTHER = ("aten::argmax", "aten::embedding", "aten::index", "aten::sort", "aten::max", "aten::sum",
@@ -65,7 +67,13 @@ def _label_kernels() -> None:
         from flotilla.engine.model import prefill_kernel
     except ImportError:  # an engine from before the prefill kernel
         prefill_kernel = None
+    try:
+        from flotilla.engine.model import panel_gemm
+    except ImportError:  # an engine from before its own matmul
+        panel_gemm = None
     kernels = [(decode_kernel, ("paged_decode_attention",))]
+    if panel_gemm is not None:
+        kernels.append((panel_gemm, ("matmul",)))
     if prefill_kernel is not None:  # the batched entry point (one call per layer) is newer than the kernel
         kernels.append((prefill_kernel, tuple(name for name in ("paged_prefill_attention",
                                                                 "paged_prefill_attention_batch")
