@@ -113,7 +113,8 @@ static void panel_item(void *context, int64_t item) {
     if (t->bias != NULL) memcpy(bias, t->bias + col, sizeof(float) * cols);
     const float *b = t->bias != NULL ? bias : NULL;
     int64_t r = 0;
-    /* Each row count and mode compiled apart (constant `rows` and `gated`: the tile's loops unroll). */
+    /* Each row count and mode compiled apart (constant `rows` and `gated`: the tile's loops unroll). With fewer
+     * than 8 ROWS the cases past ROWS - 1 never run; `% ROWS` keeps their constant in the tile's bounds. */
 #define TILES(gated_)                                                                                     \
     for (; r + ROWS <= t->m; r += ROWS)                                                                   \
         tile(t->x + r * t->k, t->k, panel, b, t->out + r * t->n + col, t->n, cols, ROWS, gated_);         \

@@ -8,9 +8,10 @@
  * bounded by the gaps inside a step, not by the time between steps.
  *
  * One task runs at a time, started by one thread (the engine's); the caller works on it too. Items are handed out
- * through an atomic counter, so a worker that is late (asleep, or its core busy) takes fewer of them and never
- * holds the caller up beyond the item it is working on. A child process after fork() has no workers: the pool
- * restarts there on first use. */
+ * through an atomic counter, so a worker that is late (asleep, or its core busy) takes fewer of them, and the
+ * caller does the rest. The caller still waits until every worker has checked in for the task (its fields are
+ * then free to reuse): for one that had gone to sleep, until it wakes, as an OpenMP region would; once a step,
+ * for its first task. A child process after fork() has no workers: the pool restarts there on first use. */
 #ifndef FLOTILLA_SPIN_POOL_H
 #define FLOTILLA_SPIN_POOL_H
 
