@@ -1,10 +1,10 @@
 """The engine's own CPU matmul (model/panel_gemm.py, csrc/panel_gemm.c on the pool of csrc/spin_pool.h) against
 F.linear: row counts that leave partial register tiles and row blocks, widths that leave a partial panel, bias,
-one and two threads, the build without AVX-512; the gated gate/up matmul against SiLU(gate) * up; a row's result bit for bit the same whatever rows share its call
-and however many threads run it; and two threads calling at once."""
+one and two threads, the build without AVX-512; the gated gate/up matmul against SiLU(gate) * up; a row's result
+bit for bit the same whatever rows share its call and however many threads run it; and two threads calling at
+once."""
 
 import os
-import platform
 import select
 import signal
 import threading
@@ -15,32 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from flotilla.engine.model import panel_gemm
-from flotilla.engine.model.kernel_build import KernelLibrary
-from tests.support.kernels import kernels_cannot_build, needs_kernels
+from tests.support.kernels import kernel_build_fixture, needs_kernels
 
 pytestmark = [needs_kernels]  # unit (tests/conftest.py), but for the fork test at the end
-
-
-def _avx2_build() -> KernelLibrary | None:
-    """Built without AVX-512 (x86-64 only): its narrower tiles, which CPUs without AVX-512 run, are otherwise never
-    tested on one that has it. Built at collection, as the native build is: a unit test may not start a process."""
-    if platform.machine() not in ("x86_64", "AMD64") or kernels_cannot_build():
-        return None
-    library = KernelLibrary("panel_gemm.c", [*panel_gemm.CFLAGS, "-mno-avx512f"], panel_gemm._declare)
-    library.load()  # one that fails to build fails the avx2 cases (no library to call), not skips them
-    return library
-
-
-AVX2_BUILD = _avx2_build()
-
-
-@pytest.fixture(params=["native", "avx2"])
-def kernel_build(request, monkeypatch):
-    if request.param == "avx2":
-        if AVX2_BUILD is None:
-            pytest.skip("no x86-64 build without AVX-512 here")
-        monkeypatch.setattr(panel_gemm, "_library", AVX2_BUILD)
-    return request.param
+kernel_build = kernel_build_fixture(panel_gemm)  # "native" and "avx2" (tests/support/kernels.py)
 
 
 def _linear(in_features, out_features, bias, seed):

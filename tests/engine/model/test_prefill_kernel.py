@@ -3,15 +3,13 @@ through the block table): shuffled block tables, GQA, head sizes the kernel comp
 after a prefix, windows, soft-caps, query rows that are a strided slice of the fused qkv, and lengths that leave
 partial query and key tiles."""
 
-import platform
 
 import pytest
 import torch
 
 from flotilla.engine.model import prefill_kernel
-from flotilla.engine.model.kernel_build import KernelLibrary
 from flotilla.engine.model.kv_cache import layer_shape, token_major
-from tests.support.kernels import kernels_cannot_build, needs_kernels
+from tests.support.kernels import kernel_build_fixture, needs_kernels
 
 pytestmark = [pytest.mark.unit, needs_kernels]
 
@@ -52,28 +50,7 @@ CASES = [  # (queries, start, heads, kv heads, head dim, block size, window, sof
 ]
 
 
-def _avx2_build() -> KernelLibrary | None:
-    """The kernel built without AVX-512 (x86-64 only): its 8-wide code, which CPUs without AVX-512 run, is
-    otherwise never tested on one that has it. Built at collection, as the native build is (`pytestmark`): a unit
-    test may not start a process."""
-    if platform.machine() not in ("x86_64", "AMD64") or kernels_cannot_build():
-        return None
-    library = KernelLibrary(prefill_kernel.SOURCE.name, [*prefill_kernel.CFLAGS, "-mno-avx512f"],
-                            prefill_kernel._declare)
-    library.load()  # one that fails to build fails the avx2 cases (no library to call), not skips them
-    return library
-
-
-AVX2_BUILD = _avx2_build()
-
-
-@pytest.fixture(params=["native", "avx2"])
-def kernel_build(request, monkeypatch):
-    if request.param == "avx2":
-        if AVX2_BUILD is None:
-            pytest.skip("no x86-64 build without AVX-512 here")
-        monkeypatch.setattr(prefill_kernel, "_library", AVX2_BUILD)
-    return request.param
+kernel_build = kernel_build_fixture(prefill_kernel)  # "native" and "avx2" (tests/support/kernels.py)
 
 
 @pytest.mark.parametrize(("num_queries", "start", "heads", "kv_heads", "head_dim", "block_size", "window", "softcap"),

@@ -23,9 +23,10 @@ from torch import nn
 from flotilla.engine.model.kernel_build import KernelLibrary
 
 CFLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-Wno-psabi"]
-# How long a worker spins for the next matmul before it sleeps: longer than the gaps inside a step (Python and
-# element-wise kernels between two matmuls, ~10-40 us), short against the time between steps and against
-# attention, which runs on OpenMP's threads while the pool's worker spins its last SPIN_NS on the same cores.
+# How long a worker spins for the next task before it sleeps: longer than the gaps inside a decode step (Python
+# and element-wise kernels between two matmuls or a matmul and decode attention, ~10-40 us), short against the time
+# between steps and against prefill attention, which runs on OpenMP's threads while the pool's worker spins its last
+# SPIN_NS on the same cores.
 SPIN_NS = 50_000
 
 _ptr, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
