@@ -6,9 +6,9 @@ On random Llama-style checkpoints of real shapes (~1B and ~8B parameters, bf16, 
 - swap copies on their side stream: swapped-out blocks overwritten and swapped-in blocks read on the compute stream
   at once, staged and unstaged (loadtest/common/gpu_swap_check.py);
 - exactness on the 1B: fp32 greedy equal to transformers' fp32 greedy on the same GPU; bf16 greedy agreement with
-  transformers' bf16 (and transformers' bf16 with its own fp32, for scale); an fp8 KV cache against the bf16 one
-  (greedy agreement, largest logprob error of the tokens both chose); swap preemption to pinned host memory
-  against a run without preemption;
+  transformers' bf16 (and transformers' bf16 with its own fp32, for scale); an fp8 KV cache, with calibrated and
+  with unit scales, against the bf16 one (greedy agreement, largest logprob error of the tokens both chose); swap
+  preemption to pinned host memory against a run without preemption;
 - on the 8B: decode ms/token at batch 1 against the memory floor (weight bytes read per step / measured copy
   bandwidth), batched decode and prefill tok/s against the compute floor (2 FLOPs per parameter per token at the
   measured bf16 matmul rate), and transformers' figures on the same workload.
@@ -37,7 +37,8 @@ if __package__ in (None, ""):  # run as a file (`make gpu-check`): make `loadtes
 import torch
 
 from loadtest.common.device_floors import matmul_tflops, memory_bandwidth_gb_s
-from loadtest.common.gpu_exactness import agreement, exactness, kernel_check
+from loadtest.common.gpu_exactness import exactness, kernel_check
+from loadtest.common.greedy_compare import agreement
 from loadtest.common.gpu_runs import Plan, free
 from loadtest.common.gpu_split_decode import split_decode_check
 from loadtest.common.gpu_swap_check import swap_stream_check

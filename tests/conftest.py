@@ -69,6 +69,7 @@ UNIT_PATHS = (
     "rpc/test_convert.py",
     "rpc/test_tls.py",
     "usage",
+    "worker/test_kv_handoff_peer_checks.py",
     "worker/test_model_cache.py",
     "worker/test_shared_catalog.py",
 )

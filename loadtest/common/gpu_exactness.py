@@ -7,59 +7,9 @@ from pathlib import Path
 
 import torch
 
-from flotilla.engine.engine import LLMEngine
 from flotilla.engine.model.kv_cache import layer_shape
-from flotilla.engine.new_request import NewRequest
-from flotilla.engine.sampling_params import SamplingParams
+from loadtest.common.greedy_compare import agreement, greedy_with_logprobs, logprob_errors, transformers_greedy
 from loadtest.common.gpu_runs import Plan, free, hf_model, random_prompts, start_engine
-
-
-def _greedy_with_logprobs(engine: LLMEngine, prompts, new_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, logprobs=0)
-    ids = [f"check-{i}" for i in range(len(prompts))]
-    tokens: dict[str, list[int]] = {i: [] for i in ids}
-    logprobs: dict[str, list[float]] = {i: [] for i in ids}
-    for request_id, prompt in zip(ids, prompts):
-        engine.add_request(NewRequest(request_id, tuple(prompt), params))
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            tokens[output.request_id] += output.new_token_ids
-            logprobs[output.request_id] += [entry.logprob for entry in output.logprobs]
-    return [tokens[i] for i in ids], [logprobs[i] for i in ids]
-
-
-@torch.inference_mode()
-def _hf_greedy(model, prompts, new_tokens: int, eos: list[int]) -> list[list[int]]:
-    results = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt], device=model.device)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                             eos_token_id=eos, pad_token_id=eos[0])
-        results.append(out[0, len(prompt):].tolist())
-    return results
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    """Share of b's tokens that a matches before their first difference (1.0: the same greedy text)."""
-    matched = total = 0
-    for x, y in zip(a, b):
-        total += len(y)
-        for p, q in zip(x, y):
-            if p != q:
-                break
-            matched += 1
-    return matched / max(total, 1)
-
-
-def _logprob_error(a, a_logprobs, b, b_logprobs) -> float:
-    """Largest |logprob difference| over the positions where both runs still chose the same tokens."""
-    worst = 0.0
-    for x, xl, y, yl in zip(a, a_logprobs, b, b_logprobs):
-        for p, pl, q, ql in zip(x, xl, y, yl):
-            if p != q:
-                break
-            worst = max(worst, abs(pl - ql))
-    return worst
 
 
 def exactness(model_dir: Path, device: torch.device, plan: Plan, seed: int) -> dict:
@@ -75,18 +25,20 @@ def exactness(model_dir: Path, device: torch.device, plan: Plan, seed: int) -> d
     runs, preemptions = {}, {}
     for name, overrides in {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
                             "bf16_fp8kv": {"dtype": "bfloat16", "kv_cache_dtype": "float8_e4m3fn"},
+                            "bf16_fp8kv_unit": {"dtype": "bfloat16", "kv_cache_dtype": "float8_e4m3fn",
+                                                "kv_cache_scales": "unit"},
                             "fp32_swap": swap}.items():
         engine = start_engine(model_dir, device, plan, cuda_graph_max_batch=plan.exact_prompts, **overrides)
         eos = sorted(engine.tokenizer.eos_token_ids)
         backend = engine.attention_backend
-        runs[name] = _greedy_with_logprobs(engine, prompts, n)
+        runs[name] = greedy_with_logprobs(engine, prompts, n)
         preemptions[name] = engine.stats().num_preemptions
         del engine
         free()
     hf = {}
     for name, dtype in {"fp32": torch.float32, "bf16": torch.bfloat16}.items():
         model = hf_model(model_dir, device, dtype)
-        hf[name] = _hf_greedy(model, prompts, n, eos)
+        hf[name] = transformers_greedy(model, prompts, n, eos)
         del model
         free()
     return {
@@ -98,7 +50,10 @@ def exactness(model_dir: Path, device: torch.device, plan: Plan, seed: int) -> d
         "bf16_agreement_with_transformers_bf16": agreement(runs["bf16"][0], hf["bf16"]),
         "transformers_bf16_agreement_with_its_fp32": agreement(hf["bf16"], hf["fp32"]),
         "fp8_kv_agreement_with_bf16_kv": agreement(runs["bf16_fp8kv"][0], runs["bf16"][0]),
-        "fp8_kv_max_logprob_error": _logprob_error(*runs["bf16_fp8kv"], *runs["bf16"]),
+        "fp8_kv_max_logprob_error": max(logprob_errors(runs["bf16_fp8kv"], runs["bf16"]), default=0.0),
+        "fp8_kv_unit_scales_agreement_with_bf16_kv": agreement(runs["bf16_fp8kv_unit"][0], runs["bf16"][0]),
+        "fp8_kv_unit_scales_max_logprob_error": max(logprob_errors(runs["bf16_fp8kv_unit"], runs["bf16"]),
+                                                    default=0.0),
         "swap_preemptions": preemptions["fp32_swap"],
         "swap_agreement_with_fp32": agreement(runs["fp32_swap"][0], runs["fp32"][0]),
     }  # fmt: skip

@@ -21,7 +21,9 @@ def test_dry_run_reports_every_figure(tmp_path, capsys):
     exact = report["exactness"]
     assert exact["fp32_greedy_equal"] is True and exact["fp32_agreement"] == 1.0
     assert exact["distinct_reference_tokens"] > 2  # the prompts' continuations differ: the comparison means something
-    assert 0.0 <= exact["fp8_kv_agreement_with_bf16_kv"] <= 1.0 and exact["fp8_kv_max_logprob_error"] >= 0.0
+    for scales in ("", "_unit_scales"):
+        assert 0.0 <= exact[f"fp8_kv{scales}_agreement_with_bf16_kv"] <= 1.0
+        assert exact[f"fp8_kv{scales}_max_logprob_error"] >= 0.0
     assert exact["swap_agreement_with_fp32"] == 1.0 and exact["swap_preemptions"] > 0
     performance = report["performance"]
     for side in ("engine", "transformers"):

@@ -28,6 +28,9 @@ class EngineConfig:
     device: str = "auto"  # "auto": cuda when present, else cpu
     dtype: str = "auto"  # "auto": float32 on cpu (no bf16 units here), the checkpoint's 16-bit type on cuda
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; or float8_e4m3fn / float8_e5m2 (half the KV bytes)
+    # An fp8 cache's per-layer K/V scales: "calibrate" (measured by a pass over a fixed text at start-up,
+    # model/kv_scales.py) or "unit" (1.0: values past the format's range saturate). Other caches ignore it.
+    kv_cache_scales: str = "calibrate"
     attention_backend: str = "auto"  # "auto": triton on cuda, torch (SDPA + the C decode kernel) on cpu
     # "auto": float32 linears on a cpu through the engine's own matmul with packed weights ("panel",
     # model/panel_gemm.py), else oneDNN's ("onednn"), F.linear elsewhere ("torch"; model/cpu_linear.py)
@@ -75,6 +78,8 @@ class EngineConfig:
         if self.onednn_primitive_cache_capacity is not None and self.onednn_primitive_cache_capacity < 1:
             raise ValueError(f"onednn_primitive_cache_capacity must be >= 1 (None: oneDNN's default), got "
                              f"{self.onednn_primitive_cache_capacity}")
+        if self.kv_cache_scales not in KV_CACHE_SCALES:
+            raise ValueError(f"kv_cache_scales must be one of {KV_CACHE_SCALES}, got {self.kv_cache_scales!r}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be auto or one of {sorted(KV_CACHE_DTYPES)}, got "
                              f"{self.kv_cache_dtype!r}")
@@ -87,6 +92,7 @@ class EngineConfig:
 
 
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
+KV_CACHE_SCALES = ("calibrate", "unit")
 KV_CACHE_DTYPES = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
     "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,

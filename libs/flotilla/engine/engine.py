@@ -23,7 +23,8 @@ from flotilla.engine.config import (
 from flotilla.engine.detokenizer import IncrementalDetokenizer
 from flotilla.engine.errors import InvalidRequestError
 from flotilla.engine.kv_cache_manager import KVCacheManager
-from flotilla.engine.model import cpu_linear
+from flotilla.engine.kv_calibration import calibrate_kv_scales
+from flotilla.engine.model import cpu_linear, kv_scales
 from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.model.kv_cache import num_blocks_for_budget
 from flotilla.engine.model.loader import load_model
@@ -74,6 +75,9 @@ class LLMEngine:
         model = load_model(config.model_dir, self.dtype, self.device)
         if self.linear_backend != "torch":
             cpu_linear.pack_linears(model, self.linear_backend)
+        self.kv_scales = self._kv_scales(model)
+        # What a peer's cache must match before blocks move between the two (kv_handoff.ensure_peer).
+        self.kv_cache_format = kv_scales.describe(self.kv_cache_dtype, self.kv_scales)
         num_blocks = config.num_kv_blocks or self._blocks_for_budget()
         self.runner = ModelRunner(
             model, num_blocks, self.block_size, self.kv_cache_dtype, self.device, config.num_host_kv_blocks,
@@ -111,6 +115,13 @@ class LLMEngine:
         self._last_step_seconds = 0.0
         self._num_prompt_tokens_total = 0
         self._num_output_tokens_total = 0
+
+    def _kv_scales(self, model) -> list[kv_scales.KVScales]:
+        """An fp8 cache's scales, calibrated before the runner captures CUDA graphs (which hold them as constants)."""
+        if not kv_scales.needs_scales(self.kv_cache_dtype) or self.config.kv_cache_scales == "unit":
+            return [kv_scales.UNIT] * self.model_config.num_layers
+        token_ids = self.tokenizer.encode(kv_scales.CALIBRATION_TEXT)[: self.max_model_len]
+        return calibrate_kv_scales(model, token_ids, self.dtype, self.kv_cache_dtype, self.block_size, self.device)
 
     def _graph_sizes(self, model) -> list[int]:
         """Decode batch sizes to capture: on cuda with the Triton kernel, for models whose steps replay fixed work."""

@@ -86,6 +86,7 @@ class KVHandoff:
             ),
             block_size=self.engine.engine.block_size,
             model_version=self.engine.engine.model_version,
+            kv_cache_format=self.engine.engine.kv_cache_format,
         )  # fmt: skip
 
     async def ensure_peer(self, agent_name: str, address: str, transfer_id: str, timeout_s: float) -> None:
@@ -103,6 +104,9 @@ class KVHandoff:
                 raise ValueError(f"{address} is agent {info.agent_name}, not {agent_name} (restarted?)")
             if info.model_version != self.engine.engine.model_version:
                 raise ValueError(f"{address} serves model version {info.model_version}")
+            if info.kv_cache_format != self.engine.engine.kv_cache_format:
+                raise ValueError(f"{address} caches KV as {info.kv_cache_format!r}, this worker as "
+                                 f"{self.engine.engine.kv_cache_format!r}")
             await asyncio.to_thread(self.transport.connect, _peer_info(info))
 
 

@@ -14,6 +14,7 @@ import torch
 
 from flotilla.engine.model.attention import AttentionMetadata, SeqChunk, paged_attention
 from flotilla.engine.model.kv_cache import layer_shape
+from flotilla.engine.model.kv_scales import UNIT, KVScales
 
 pytest.importorskip("triton")
 # tests/conftest.py sets it before anything imports triton
@@ -31,14 +32,14 @@ def _step(seqs, block_size, num_heads, num_kv_heads, head_dim, num_blocks, dtype
     return kv_cache, q, k, v
 
 
-def _both(seqs, block_size, kv_cache, q, k, v, window=None, softcap=None, scale=None):
+def _both(seqs, block_size, kv_cache, q, k, v, window=None, softcap=None, scale=None, kv_scales=UNIT):
     """(torch path, Triton kernel) outputs and the caches each left behind."""
     results = []
     for use_triton in (False, True):
         meta = AttentionMetadata.build(seqs, block_size, CPU, sliding_window=window, use_triton=use_triton)
         assert (meta.query_start_loc is not None) == use_triton
         cache = kv_cache.clone()
-        results.append((paged_attention(q, k, v, cache, meta, scale, window, softcap), cache))
+        results.append((paged_attention(q, k, v, cache, meta, scale, window, softcap, kv_scales), cache))
     return results
 
 
@@ -103,6 +104,20 @@ def test_float16_and_narrower_kv_cache():
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
     exact, _ = _both(seqs, 4, kv_cache, q, k, v)[0]
     assert 0 < (actual - exact).abs().max() < 0.3  # fp8 rounding shows, within its precision
+
+
+def test_scaled_fp8_cache_matches_torch_path():
+    """An fp8 cache with K/V scales (model/kv_scales.py): the Triton kernel folds them in as the torch path does, and
+    both store the same bytes."""
+    tables = _tables(32, [4, 3], seed=8)
+    seqs = [SeqChunk(9, 1, tables[0]), SeqChunk(3, 6, tables[1])]
+    kv_cache, q, k, v = _step(seqs, 4, 4, 2, 16, 32, seed=3)
+    scales = KVScales(2.0 ** 6, 2.0 ** -5)
+    (expected, expected_cache), (actual, actual_cache) = _both(
+        seqs, 4, kv_cache.to(torch.float8_e4m3fn), q * 2.0 ** -6, k * 2.0 ** 6, v * 2.0 ** -5, softcap=2.0,
+        kv_scales=scales)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(actual_cache.view(torch.uint8), expected_cache.view(torch.uint8))
 
 
 def test_empty_context_rows_come_out_zero():

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from flotilla.engine.device_copy import to_device
 from flotilla.engine.model import decode_kernel, fused_ops, prefill_kernel
 from flotilla.engine.model.kv_cache import cache_rows, layer_dims
+from flotilla.engine.model.kv_scales import UNIT, KVScales
 
 
 class SeqChunk(NamedTuple):
@@ -319,15 +320,28 @@ def paged_attention(
     scale: float | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    kv_scales: KVScales = UNIT,
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, H_kv, D], kv_cache [2, num_blocks, H_kv, block_size, D] (kv_cache.layer_shape) ->
     [T, H, D]. scale: of q.k (None: D ** -0.5); window: this layer's sliding window (the one `meta` was built for);
-    softcap: scores -> softcap * tanh(scores / softcap) before masking."""
+    softcap: scores -> softcap * tanh(scores / softcap) before masking; kv_scales: the cache holds K / kv_scales.k
+    and V / kv_scales.v (an fp8 cache's, model/kv_scales.py)."""
     if window is not None and window != meta.sliding_window:
         raise ValueError(f"a layer with sliding window {window} needs metadata built for it, got {meta.sliding_window}")
     rows = meta.cache_rows if meta.cache_rows is not None else cache_rows(meta.slot_mapping, kv_cache)
-    _write_rows(kv_cache[0], rows, k)
-    _write_rows(kv_cache[1], rows, v)
+    if kv_scales.is_unit:
+        _write_rows(kv_cache[0], rows, k)
+        _write_rows(kv_cache[1], rows, v)
+        return _attend_cache(q, kv_cache, meta, scale, window, softcap)
+    # Every kernel reads the stored K and V: q.(s_k K) = s_k (q.K) and softmax(.)(s_v V) = s_v (softmax(.) V).
+    _write_rows(kv_cache[0], rows, k / kv_scales.k)
+    _write_rows(kv_cache[1], rows, v / kv_scales.v)
+    key_scale = (q.shape[-1] ** -0.5 if scale is None else scale) * kv_scales.k
+    return _attend_cache(q, kv_cache, meta, key_scale, window, softcap).mul_(kv_scales.v)
+
+
+def _attend_cache(q, kv_cache, meta: AttentionMetadata, scale, window, softcap) -> torch.Tensor:
+    """q against the layer's cached K/V, the step's own already written."""
     if meta.query_start_loc is not None:
         from flotilla.engine.model import triton_attention  # imports triton: only where it runs
 

@@ -19,6 +19,7 @@ from torch import nn
 from flotilla.engine.model import fused_ops
 from flotilla.engine.model.attention import AttentionMetadata, paged_attention
 from flotilla.engine.model.config import ModelConfig
+from flotilla.engine.model.kv_scales import UNIT, RangeRecorder
 from flotilla.engine.model.moe import SparseMoE
 from flotilla.engine.model.norms import RMSNorm, rms_norm
 from flotilla.engine.model.rope import RotaryEmbedding, apply_rotary
@@ -39,6 +40,9 @@ class LlamaAttention(nn.Module):
         self.scale = config.attention_scale
         self.softcap = config.attn_logit_softcap
         self.window = config.sliding_window if index in config.sliding_layers else None
+        self.index = index
+        self.kv_scales = UNIT  # an fp8 cache's, set at start-up (ModelRunner, model/kv_scales.py)
+        self.range_recorder: RangeRecorder | None = None  # watches K/V during the scales' calibration pass
         # Which of the model's RoPE tables this layer rotates with: 1 is the sliding layers' own (Gemma 3).
         self.rope_index = int(self.window is not None and config.sliding_rope_theta is not None)
         # A plain flag: hasattr on a module raises and catches AttributeError inside nn.Module.__getattr__,
@@ -65,7 +69,9 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if not rotated:
             q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.window, self.softcap)
+        if self.range_recorder is not None:
+            self.range_recorder.observe(self.index, k, v)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.window, self.softcap, self.kv_scales)
         return self.o_proj(out.view(-1, self.q_size))
 
 
