@@ -7,9 +7,12 @@ and no block may be left behind."""
 from __future__ import annotations
 
 import json
+import time
+from types import SimpleNamespace
 
 import pytest
 
+from flotilla.engine import engine as engine_module
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.engine import LLMEngine
 from flotilla.engine.new_request import NewRequest
@@ -173,3 +176,33 @@ def test_preemption_with_a_step_in_flight(reference, mode):
 def test_overlap_defaults_on_for_cuda_only(reference):
     engine = LLMEngine(EngineConfig(model_dir=reference.model_dir, num_kv_blocks=8, block_size=16))
     assert engine.overlap_output_processing is False  # a CPU: nothing would run beside the host
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_batch_bound_gets_the_time_of_the_step_the_call_waited_for(reference, monkeypatch, overlap):
+    """Each step() call's time goes to the batch bound with the sequences of the step that call waited for: with
+    overlap, the one the call before launched. A fake clock moves only while a step is collected, by that step's
+    number of sequences, so every observation must pair n seconds with n sequences while the batch shrinks."""
+    engine = _engine(reference.model_dir, overlap)
+    clock = [0.0]
+    monkeypatch.setattr(engine_module, "time", SimpleNamespace(
+        perf_counter=lambda: clock[0], monotonic=time.monotonic, monotonic_ns=time.monotonic_ns))
+    launch = engine.runner.launch
+
+    def launch_with_a_clocked_collect(scheduler_output, *rest):
+        pending = launch(scheduler_output, *rest)
+        collect = pending.collect
+
+        def clocked_collect():
+            clock[0] += len(scheduler_output.chunks)
+            return collect()
+        pending.collect = clocked_collect
+        return pending
+    engine.runner.launch = launch_with_a_clocked_collect
+    observed = []
+    engine.scheduler.observe_step = lambda step_s, num_seqs: observed.append((step_s, num_seqs))
+    requests = [(f"b{i}", tuple(reference.prompts[i]), SamplingParams(max_tokens=2 + 2 * i, temperature=0.0,
+                                                                     ignore_eos=True)) for i in range(6)]
+    _stream(engine, requests)
+    assert len({num_seqs for _, num_seqs in observed}) >= 4  # the batch did shrink as requests ended
+    assert observed == [(float(num_seqs), num_seqs) for _, num_seqs in observed]

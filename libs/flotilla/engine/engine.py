@@ -246,7 +246,11 @@ class LLMEngine:
         started = time.perf_counter()
         self.release_expired_quarantine()
         outputs = []
+        # The step this call waits for last: its time is the call's (with overlap, the one launched by the last
+        # call, not the one this call launches).
+        waited_for = None
         if self._in_flight is not None and not self._schedules_ahead():
+            waited_for = self._in_flight[0]
             outputs += self._emit(self._collect(self._take_in_flight()))
         scheduler_output = self.scheduler.schedule()
         self._num_preemptions += len(scheduler_output.preempted)
@@ -256,14 +260,18 @@ class LLMEngine:
             return outputs + self._emit(self._collect(previous))
         pending = self.runner.launch(scheduler_output, previous[1] if previous is not None else None)
         collected = self._collect(previous)
+        if previous is not None:
+            waited_for = previous[0]
         self.scheduler.publish_filled(scheduler_output)
         outputs += self._emit(collected)
         self.scheduler.advance(scheduler_output)  # after the text: the stop checks saw the counts of `previous`
         self._in_flight = (scheduler_output, pending)
         if not self._overlaps():
+            waited_for = scheduler_output
             outputs += self._emit(self._collect(self._take_in_flight()))
         self._last_step_seconds = time.perf_counter() - started
-        self.scheduler.observe_step(self._last_step_seconds, len(scheduler_output.chunks))
+        if waited_for is not None:  # the batch bound's feedback: a step's time with the sequences it ran
+            self.scheduler.observe_step(self._last_step_seconds, len(waited_for.chunks))
         return outputs
 
     def _overlaps(self) -> bool:
