@@ -5,6 +5,8 @@ On random Llama-style checkpoints of real shapes (~1B and ~8B parameters, bf16, 
   split (loadtest/common/gpu_split_decode.py);
 - swap copies on their side stream: swapped-out blocks overwritten and swapped-in blocks read on the compute stream
   at once, staged and unstaged (loadtest/common/gpu_swap_check.py);
+- MoE experts grouped (torch._grouped_mm) against the Python loop, whether the grouped way synchronises with the
+  host, and both ways' ms a call (loadtest/common/gpu_moe_check.py);
 - exactness on the 1B: fp32 greedy equal to transformers' fp32 greedy on the same GPU; bf16 greedy agreement with
   transformers' bf16 (and transformers' bf16 with its own fp32, for scale); an fp8 KV cache, with calibrated and
   with unit scales, against the bf16 one (greedy agreement, largest logprob error of the tokens both chose); swap
@@ -41,6 +43,7 @@ from loadtest.common.gpu_exactness import exactness, kernel_check
 from loadtest.common.greedy_compare import agreement
 from loadtest.common.gpu_runs import Plan, free
 from loadtest.common.gpu_split_decode import split_decode_check
+from loadtest.common.gpu_moe_check import moe_grouped_check
 from loadtest.common.gpu_swap_check import swap_stream_check
 from loadtest.common.gpu_throughput import engine_performance, floors, transformers_performance
 from loadtest.common.random_llama import write_random_llama
@@ -88,6 +91,7 @@ def run(args: argparse.Namespace) -> dict:
         _section(report, "kernel", lambda: kernel_check(device))
     _section(report, "split_decode", lambda: split_decode_check(device))
     _section(report, "swap_streams", lambda: swap_stream_check(device))
+    _section(report, "moe_grouped", lambda: moe_grouped_check(device))
     with tempfile.TemporaryDirectory(dir=args.work_dir, prefix="gpu-check-") as tmp:
         exact_dir = write_random_llama(Path(tmp) / plan.exact_size, plan.exact_size, device, seed=args.seed)
         _section(report, "exactness", lambda: exactness(exact_dir, device, plan, args.seed))

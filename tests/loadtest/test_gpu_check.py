@@ -36,6 +36,9 @@ def test_dry_run_reports_every_figure(tmp_path, capsys):
     assert split["batch1_ms_unsplit"] > 0 and split["batch1_ms_split"] > 0
     swaps = report["swap_streams"]
     assert swaps["staged"]["equal"] and swaps["unstaged"]["equal"] and swaps["rounds"] > 0
+    moe = report["moe_grouped"]
+    assert moe["grouped_vs_loop_max_error_relative"] < 1e-5 and moe["engine_picks_grouped"] is False  # CPU, fp32
+    assert all(moe[f"{way}_ms_{n}_tokens"] > 0 for way in ("grouped", "loop") for n in moe["shape"]["tokens"])
 
 
 def test_agreement_counts_tokens_before_the_first_difference():

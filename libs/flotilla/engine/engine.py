@@ -28,6 +28,7 @@ from flotilla.engine.model import cpu_linear, kv_scales
 from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.model.kv_cache import num_blocks_for_budget
 from flotilla.engine.model.loader import load_model
+from flotilla.engine.model.moe import grouped_mm_fits
 from flotilla.engine.model.rope import prompt_length_key
 from flotilla.engine.model_runner import ModelRunner, PendingStep
 from flotilla.engine.new_request import NewRequest
@@ -105,10 +106,12 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         # Requests whose blocks remote_prefill.try_reserve holds outside the scheduler (a remote prefill).
         self.reserved_request_ids: set[str] = set()
-        # By default on CUDA, but not for MoE models: their routing reads expert counts back in every layer
-        # (moe.py), which waits for the running step anyway.
+        # By default on CUDA, but not for MoE models whose experts run the Python loop: it reads expert counts back in
+        # every layer (moe.py), which waits for the running step anyway.
         overlap = config.overlap_output_processing
-        default_overlap = self.device.type == "cuda" and self.model_config.moe is None
+        moe = self.model_config.moe
+        default_overlap = self.device.type == "cuda" and (moe is None or grouped_mm_fits(
+            self.device, self.dtype, self.model_config.hidden_size, moe.intermediate_size))
         self.overlap_output_processing = default_overlap if overlap is None else overlap
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None  # launched, not yet collected
         self._num_preemptions = 0

@@ -1,8 +1,11 @@
 """Sparse mixture-of-experts MLP (Qwen3-MoE layout): softmax router, top-k experts per token.
 
 Tokens are grouped by expert (one stable sort of the token-expert pairs) and each expert that received any
-runs once over all of its tokens: the Python loop is over experts, never over tokens. Outputs are added in
-expert order, as transformers adds them, so the sums match it to rounding.
+runs once over all of its tokens. Outputs are added in expert order, as transformers adds them, so the sums match
+it to rounding. Two ways to run the groups:
+- a Python loop over experts, slicing by counts read back to the host (a CPU's way: nothing waits on a device);
+- on CUDA in bf16 (sm90+), torch._grouped_mm with the groups' ends as a device tensor: nothing is read back, so a
+  step has no host sync in its MoE layers (the loop's counts were one per layer).
 """
 
 from __future__ import annotations
@@ -23,8 +26,33 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * inter, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(moe.num_experts, hidden_size, inter))
 
+    # None: grouped where it is fast and sync-free (grouped_mm_fits); True/False forces a way (tests, the device check)
+    grouped: bool | None = None
+
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; expert_ids, weights [T, k] -> sum over each token's k experts of weight * expert(x)."""
+        grouped = self.grouped
+        if grouped is None:
+            grouped = grouped_mm_fits(x.device, x.dtype, self.gate_up_proj.shape[2], self.down_proj.shape[2])
+        return (self._grouped if grouped else self._loop)(x, expert_ids, weights)
+
+    def _grouped(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every token-expert pair in one grouped matmul per projection, the groups' ends computed on the device."""
+        top_k, num_experts = expert_ids.shape[1], self.gate_up_proj.shape[0]
+        flat_ids = expert_ids.flatten()
+        order = torch.argsort(flat_ids, stable=True)
+        # Pairs up to expert e's group end: a search over the sorted ids (bincount would read its max back on CUDA).
+        experts = torch.arange(num_experts, device=x.device, dtype=flat_ids.dtype)
+        ends = torch.searchsorted(flat_ids[order], experts, right=True).to(torch.int32)
+        tokens = order // top_k
+        # W [E, out, in] transposed is the column-major [E, in, out] the grouped kernel wants: x @ W^T per group.
+        gate, up = torch._grouped_mm(x[tokens], self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+        hidden = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
+        out = torch.zeros_like(x)
+        out.index_add_(0, tokens, hidden * weights.flatten()[order, None])
+        return out
+
+    def _loop(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         top_k = expert_ids.shape[1]
         flat_ids = expert_ids.flatten()
         order = torch.argsort(flat_ids, stable=True)  # pair indices (token * k + slot), grouped by expert
@@ -42,6 +70,15 @@ class Experts(nn.Module):
             hidden = F.linear(F.silu(gate) * up, self.down_proj[expert]) * flat_weights[pairs, None]
             out.index_add_(0, tokens, hidden)
         return out
+
+
+def grouped_mm_fits(device: torch.device, dtype: torch.dtype, hidden_size: int, intermediate_size: int) -> bool:
+    """Whether torch._grouped_mm runs experts on its fast path: CUDA sm90+ in bf16, rows 16-byte aligned. Its
+    fallback elsewhere loops over groups reading their sizes back, as the Python loop does."""
+    if not (device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")):
+        return False
+    aligned = hidden_size % 8 == 0 and intermediate_size % 8 == 0  # 16 bytes of bf16
+    return aligned and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 class SparseMoE(nn.Module):

@@ -1,0 +1,83 @@
+"""The device check's look at the MoE experts' grouped way (engine/model/moe.py), which only CUDA bf16 on sm90+ takes:
+random experts of Qwen3-30B-A3B's shape (128 experts, top 8, hidden 2,048, 768 each), random routing, and
+- whether the engine picks the grouped way there (grouped_mm_fits);
+- the grouped way against the Python loop on the same inputs (largest difference over the largest output);
+- whether the grouped way synchronises with the host: run under torch.cuda.set_sync_debug_mode("error"), where any
+  synchronising call raises;
+- ms a call of each way for a decode step's tokens and a prefill step's (CUDA events, median of the rounds).
+--dry-run (CPU, float32) runs the same comparison at tiny shapes, without the sync check."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+FULL_SHAPE = dict(experts=128, top_k=8, hidden=2048, intermediate=768, tokens=(64, 2048), rounds=5)
+DRY_SHAPE = dict(experts=8, top_k=2, hidden=32, intermediate=48, tokens=(4, 64), rounds=2)
+
+
+def _routing(num_tokens: int, shape: dict, device: torch.device, dtype: torch.dtype, seed: int):
+    generator = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(num_tokens, shape["hidden"], generator=generator, device=device).to(dtype)
+    logits = torch.randn(num_tokens, shape["experts"], generator=generator, device=device)
+    weights, expert_ids = logits.softmax(-1).topk(shape["top_k"], dim=-1)
+    return x, expert_ids, (weights / weights.sum(-1, keepdim=True)).to(dtype)
+
+
+def _ms_a_call(call, device: torch.device, rounds: int) -> float:
+    call()  # warm-up: kernel selection, allocator
+    times = []
+    for _ in range(rounds):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            began = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - began) * 1e3)
+    return statistics.median(times)
+
+
+def moe_grouped_check(device: torch.device) -> dict:
+    from flotilla.engine.model.config import MoEConfig
+    from flotilla.engine.model.moe import Experts, grouped_mm_fits
+
+    shape = FULL_SHAPE if device.type == "cuda" else DRY_SHAPE
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    moe = MoEConfig(num_experts=shape["experts"], num_experts_per_tok=shape["top_k"],
+                    intermediate_size=shape["intermediate"], norm_topk_prob=True, sparse_layers=(0,))
+    torch.manual_seed(0)
+    experts = Experts(shape["hidden"], moe)
+    for weight in experts.parameters():
+        torch.nn.init.normal_(weight, std=0.02)
+    experts = experts.to(device=device, dtype=dtype)
+    result: dict = {"shape": {k: v for k, v in shape.items() if k != "rounds"}, "dtype": str(dtype)}
+    with torch.no_grad():
+        x, expert_ids, weights = _routing(shape["tokens"][-1], shape, device, dtype, seed=1)
+        result["engine_picks_grouped"] = grouped_mm_fits(device, dtype, shape["hidden"], shape["intermediate"])
+        grouped = experts._grouped(x, expert_ids, weights)
+        loop = experts._loop(x, expert_ids, weights)
+        result["grouped_vs_loop_max_error_relative"] = float((grouped - loop).abs().max() / loop.abs().max())
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                experts._grouped(x, expert_ids, weights)
+                result["grouped_host_syncs"] = "none"
+            except RuntimeError as error:
+                result["grouped_host_syncs"] = str(error)[:300]
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        for num_tokens in shape["tokens"]:
+            inputs = _routing(num_tokens, shape, device, dtype, seed=num_tokens)
+            for way in ("grouped", "loop"):
+                forward = getattr(experts, f"_{way}")
+                result[f"{way}_ms_{num_tokens}_tokens"] = _ms_a_call(lambda: forward(*inputs), device,
+                                                                      shape["rounds"])
+    return result

@@ -1,0 +1,94 @@
+"""The MoE experts' grouped way (moe.py: torch._grouped_mm, the groups' ends on the device), which CUDA bf16 runs,
+checked on the CPU: against the Python loop over experts, against transformers through a paged Qwen3-MoE, and for
+reading nothing back to the host (the loop reads each layer's expert counts)."""
+
+import pytest
+import torch
+
+from flotilla.engine.model.config import MoEConfig
+from flotilla.engine.model.moe import Experts, grouped_mm_fits
+
+from .helpers import PagedDriver, hf_chunked_logits, random_tokens
+
+
+def _experts(seed: int = 0) -> Experts:
+    torch.manual_seed(seed)
+    moe = MoEConfig(num_experts=6, num_experts_per_tok=2, intermediate_size=48, norm_topk_prob=True, sparse_layers=(0,))
+    experts = Experts(32, moe)
+    for weight in experts.parameters():
+        torch.nn.init.normal_(weight, std=0.25)
+    return experts
+
+
+def _routing(num_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, 32], and each token's two experts among the first four (experts 4 and 5 get no token) with weights."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, 32, generator=generator)
+    probs = torch.rand(num_tokens, 4, generator=generator).softmax(-1)
+    weights, expert_ids = probs.topk(2, dim=-1)
+    return x, expert_ids, weights
+
+
+def _token_by_token(experts: Experts, x, expert_ids, weights) -> torch.Tensor:
+    rows = []
+    for token in range(x.shape[0]):
+        row = torch.zeros(x.shape[1])
+        for expert, weight in zip(expert_ids[token].tolist(), weights[token]):
+            gate, up = (experts.gate_up_proj[expert] @ x[token]).chunk(2)
+            row += weight * (experts.down_proj[expert] @ (torch.nn.functional.silu(gate) * up))
+        rows.append(row)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 17])
+def test_grouped_equals_the_loop_and_each_token_alone(num_tokens):
+    experts = _experts()
+    x, expert_ids, weights = _routing(num_tokens, seed=num_tokens)
+    with torch.no_grad():
+        grouped = experts._grouped(x, expert_ids, weights)
+        loop = experts._loop(x, expert_ids, weights)
+        alone = _token_by_token(experts, x, expert_ids, weights)
+    torch.testing.assert_close(grouped, loop, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grouped, alone, atol=1e-4, rtol=1e-4)
+    assert not grouped_mm_fits(x.device, x.dtype, 32, 48)  # a CPU, float32: the loop by default
+
+
+class HostRead(Exception):
+    pass
+
+
+def test_grouped_reads_nothing_back_to_the_host(monkeypatch):
+    """On CUDA each of these waits for the device; the grouped way must call none of them (the loop does)."""
+    experts = _experts()
+    x, expert_ids, weights = _routing(9, seed=1)
+
+    def host_read(*args, **kwargs):
+        raise HostRead
+    for name in ("tolist", "item", "__bool__", "__int__", "nonzero"):
+        monkeypatch.setattr(torch.Tensor, name, host_read)
+    monkeypatch.setattr(torch, "bincount", host_read)  # sizes its output by the ids' max, read back on CUDA
+    with torch.no_grad():
+        experts._grouped(x, expert_ids, weights)
+        with pytest.raises(HostRead):
+            experts._loop(x, expert_ids, weights)
+
+
+def test_paged_qwen3_moe_grouped_matches_hf(checkpoint_factory):
+    """Chunked prefill then decode through the paged cache with every MoE layer grouped, against transformers."""
+    ckpt = checkpoint_factory("qwen3_moe")
+    experts = [module for module in ckpt.model.modules() if isinstance(module, Experts)]
+    assert experts
+    tokens = random_tokens(24, seed=4)
+    sizes = [7, 9] + [1] * 8
+    try:
+        for module in experts:
+            module.grouped = True
+        driver = PagedDriver(ckpt.model, block_size=4, seed=2)
+        start = 0
+        for size, reference in zip(sizes, hf_chunked_logits(ckpt.hf, tokens, sizes)):
+            (logits,) = driver.step([("a", tokens, start, size)])
+            start += size
+            torch.testing.assert_close(logits, reference[-1], atol=1e-4, rtol=0)
+    finally:
+        for module in experts:
+            module.grouped = None
