@@ -5,7 +5,8 @@ random experts of Qwen3-30B-A3B's shape (128 experts, top 8, hidden 2,048, 768 e
 - whether the grouped way synchronises with the host: run under torch.cuda.set_sync_debug_mode("error"), where any
   synchronising call raises;
 - ms a call of each way for a decode step's tokens and a prefill step's (CUDA events, median of the rounds).
---dry-run (CPU, float32) runs the same comparison at tiny shapes, without the sync check."""
+--dry-run (CPU, float32) runs the same comparison at tiny shapes, without the sync check; loadtest/bench_moe_experts.py
+runs it at any shape on the CPU."""
 
 from __future__ import annotations
 
@@ -45,11 +46,17 @@ def _ms_a_call(call, device: torch.device, rounds: int) -> float:
 
 
 def moe_grouped_check(device: torch.device) -> dict:
+    """The device check's section: Qwen3-30B-A3B's experts in bf16 on CUDA, tiny ones in float32 with --dry-run."""
+    shape = FULL_SHAPE if device.type == "cuda" else DRY_SHAPE
+    return compare_ways(device, torch.bfloat16 if device.type == "cuda" else torch.float32, shape)
+
+
+def compare_ways(device: torch.device, dtype: torch.dtype, shape: dict) -> dict:
+    """The grouped way against the loop on random experts of `shape`: their difference, the host-sync check (CUDA),
+    and ms a call of each way at each of shape["tokens"]."""
     from flotilla.engine.model.config import MoEConfig
     from flotilla.engine.model.moe import Experts, grouped_mm_fits
 
-    shape = FULL_SHAPE if device.type == "cuda" else DRY_SHAPE
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     moe = MoEConfig(num_experts=shape["experts"], num_experts_per_tok=shape["top_k"],
                     intermediate_size=shape["intermediate"], norm_topk_prob=True, sparse_layers=(0,))
     torch.manual_seed(0)
@@ -59,10 +66,11 @@ def moe_grouped_check(device: torch.device) -> dict:
     experts = experts.to(device=device, dtype=dtype)
     result: dict = {"shape": {k: v for k, v in shape.items() if k != "rounds"}, "dtype": str(dtype)}
     with torch.no_grad():
-        x, expert_ids, weights = _routing(shape["tokens"][-1], shape, device, dtype, seed=1)
+        x, expert_ids, weights = _routing(max(shape["tokens"]), shape, device, dtype, seed=1)
         result["engine_picks_grouped"] = grouped_mm_fits(device, dtype, shape["hidden"], shape["intermediate"])
         grouped = experts._grouped(x, expert_ids, weights)
         loop = experts._loop(x, expert_ids, weights)
+        result["grouped_equals_loop"] = torch.equal(grouped, loop)
         result["grouped_vs_loop_max_error_relative"] = float((grouped - loop).abs().max() / loop.abs().max())
         if device.type == "cuda":
             torch.cuda.synchronize()

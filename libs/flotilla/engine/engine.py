@@ -106,8 +106,8 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         # Requests whose blocks remote_prefill.try_reserve holds outside the scheduler (a remote prefill).
         self.reserved_request_ids: set[str] = set()
-        # By default on CUDA, but not for MoE models whose experts run the Python loop: it reads expert counts back in
-        # every layer (moe.py), which waits for the running step anyway.
+        # By default on CUDA, but not for MoE models whose experts run the Python loop there: it reads expert counts
+        # back in every layer (moe.py), which waits for the running step anyway.
         overlap = config.overlap_output_processing
         moe = self.model_config.moe
         default_overlap = self.device.type == "cuda" and (moe is None or grouped_mm_fits(

@@ -1,6 +1,7 @@
-"""The MoE experts' grouped way (moe.py: torch._grouped_mm, the groups' ends on the device), which CUDA bf16 runs,
-checked on the CPU: against the Python loop over experts, against transformers through a paged Qwen3-MoE, and for
-reading nothing back to the host (the loop reads each layer's expert counts)."""
+"""The MoE experts' two ways (moe.py): torch._grouped_mm with the groups' ends as a tensor, which a CPU and CUDA bf16
+run, and the Python loop over the experts hit. Each against the other and against transformers through a paged
+Qwen3-MoE; the grouped way reads nothing back to the host (the loop reads each layer's expert counts), which on CUDA
+keeps a step free of host syncs."""
 
 import pytest
 import torch
@@ -48,9 +49,16 @@ def test_grouped_equals_the_loop_and_each_token_alone(num_tokens):
         grouped = experts._grouped(x, expert_ids, weights)
         loop = experts._loop(x, expert_ids, weights)
         alone = _token_by_token(experts, x, expert_ids, weights)
-    torch.testing.assert_close(grouped, loop, atol=1e-5, rtol=1e-5)
+    assert torch.equal(grouped, loop)  # on a CPU PyTorch's grouped call runs the same matmuls in the same order
     torch.testing.assert_close(grouped, alone, atol=1e-4, rtol=1e-4)
-    assert not grouped_mm_fits(x.device, x.dtype, 32, 48)  # a CPU, float32: the loop by default
+
+
+def test_a_cpu_runs_grouped_unless_rows_are_misaligned():
+    cpu = torch.device("cpu")
+    assert grouped_mm_fits(cpu, torch.float32, 32, 48)
+    assert not grouped_mm_fits(cpu, torch.float32, 30, 48)  # 120-byte rows: the grouped call refuses them
+    assert not grouped_mm_fits(cpu, torch.float32, 32, 50)
+    assert not grouped_mm_fits(cpu, torch.bfloat16, 32, 44)  # 88 bytes
 
 
 class HostRead(Exception):
@@ -73,8 +81,9 @@ def test_grouped_reads_nothing_back_to_the_host(monkeypatch):
             experts._loop(x, expert_ids, weights)
 
 
-def test_paged_qwen3_moe_grouped_matches_hf(checkpoint_factory):
-    """Chunked prefill then decode through the paged cache with every MoE layer grouped, against transformers."""
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "loop"])
+def test_paged_qwen3_moe_matches_hf_either_way(checkpoint_factory, grouped):
+    """Chunked prefill then decode through the paged cache with every MoE layer run one way, against transformers."""
     ckpt = checkpoint_factory("qwen3_moe")
     experts = [module for module in ckpt.model.modules() if isinstance(module, Experts)]
     assert experts
@@ -82,7 +91,7 @@ def test_paged_qwen3_moe_grouped_matches_hf(checkpoint_factory):
     sizes = [7, 9] + [1] * 8
     try:
         for module in experts:
-            module.grouped = True
+            module.grouped = grouped
         driver = PagedDriver(ckpt.model, block_size=4, seed=2)
         start = 0
         for size, reference in zip(sizes, hf_chunked_logits(ckpt.hf, tokens, sizes)):

@@ -1,0 +1,12 @@
+"""The MoE experts benchmark runs end to end at tiny shapes and reports both ways at every token count."""
+
+import json
+
+from loadtest import bench_moe_experts
+
+
+def test_reports_both_ways_at_every_token_count(capsys):
+    bench_moe_experts.main(["--shape", "tiny", "--tokens", "1", "8", "--rounds", "1"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["grouped_vs_loop_max_error_relative"] < 1e-5 and report["engine_picks_grouped"] is True
+    assert all(report[f"{way}_ms_{n}_tokens"] > 0 for way in ("grouped", "loop") for n in (1, 8))
