@@ -41,7 +41,7 @@ class LlamaAttention(nn.Module):
         self.softcap = config.attn_logit_softcap
         self.window = config.sliding_window if index in config.sliding_layers else None
         self.index = index
-        self.kv_scales = UNIT  # an fp8 cache's, set at start-up (ModelRunner, model/kv_scales.py)
+        self.kv_scales = UNIT  # an fp8 cache's, set at start-up (engine/kv_calibration.py, model/kv_scales.py)
         self.range_recorder: RangeRecorder | None = None  # watches K/V during the scales' calibration pass
         # Which of the model's RoPE tables this layer rotates with: 1 is the sliding layers' own (Gemma 3).
         self.rope_index = int(self.window is not None and config.sliding_rope_theta is not None)
