@@ -1,6 +1,6 @@
 """The device check's look at the MoE experts' grouped way (engine/model/moe.py), which only CUDA bf16 on sm90+ takes:
 random experts of Qwen3-30B-A3B's shape (128 experts, top 8, hidden 2,048, 768 each), random routing, and
-- whether the engine picks the grouped way there (grouped_mm_fits);
+- whether the engine picks the grouped way there (grouped_mm_fits), and whether its start-up probe keeps it;
 - the grouped way against the Python loop on the same inputs (largest difference over the largest output);
 - whether the grouped way synchronises with the host: run under torch.cuda.set_sync_debug_mode("error"), where any
   synchronising call raises;
@@ -55,7 +55,7 @@ def compare_ways(device: torch.device, dtype: torch.dtype, shape: dict) -> dict:
     """The grouped way against the loop on random experts of `shape`: their difference, the host-sync check (CUDA),
     and ms a call of each way at each of shape["tokens"]."""
     from flotilla.engine.model.config import MoEConfig
-    from flotilla.engine.model.moe import Experts, grouped_mm_fits
+    from flotilla.engine.model.moe import Experts, grouped_mm_fits, settle_experts_way
 
     moe = MoEConfig(num_experts=shape["experts"], num_experts_per_tok=shape["top_k"],
                     intermediate_size=shape["intermediate"], norm_topk_prob=True, sparse_layers=(0,))
@@ -68,6 +68,7 @@ def compare_ways(device: torch.device, dtype: torch.dtype, shape: dict) -> dict:
     with torch.no_grad():
         x, expert_ids, weights = _routing(max(shape["tokens"]), shape, device, dtype, seed=1)
         result["engine_picks_grouped"] = grouped_mm_fits(device, dtype, shape["hidden"], shape["intermediate"])
+        result["start_up_probe_keeps_grouped"] = settle_experts_way(experts)  # the engine's check at start-up
         grouped = experts._grouped(x, expert_ids, weights)
         loop = experts._loop(x, expert_ids, weights)
         result["grouped_equals_loop"] = torch.equal(grouped, loop)

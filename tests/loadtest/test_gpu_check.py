@@ -37,7 +37,8 @@ def test_dry_run_reports_every_figure(tmp_path, capsys):
     swaps = report["swap_streams"]
     assert swaps["staged"]["equal"] and swaps["unstaged"]["equal"] and swaps["rounds"] > 0
     moe = report["moe_grouped"]
-    assert moe["grouped_vs_loop_max_error_relative"] < 1e-5 and moe["engine_picks_grouped"] is True  # CPU, aligned
+    assert moe["grouped_vs_loop_max_error_relative"] < 1e-5
+    assert moe["engine_picks_grouped"] and moe["start_up_probe_keeps_grouped"]  # a CPU, rows aligned
     assert all(moe[f"{way}_ms_{n}_tokens"] > 0 for way in ("grouped", "loop") for n in moe["shape"]["tokens"])
 
 

@@ -28,7 +28,7 @@ from flotilla.engine.model import cpu_linear, kv_scales
 from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.model.kv_cache import num_blocks_for_budget
 from flotilla.engine.model.loader import load_model
-from flotilla.engine.model.moe import grouped_mm_fits
+from flotilla.engine.model.moe import settle_experts_way
 from flotilla.engine.model.rope import prompt_length_key
 from flotilla.engine.model_runner import ModelRunner, PendingStep
 from flotilla.engine.new_request import NewRequest
@@ -76,6 +76,7 @@ class LLMEngine:
         model = load_model(config.model_dir, self.dtype, self.device)
         if self.linear_backend != "torch":
             cpu_linear.pack_linears(model, self.linear_backend)
+        self.moe_grouped = settle_experts_way(model)  # before graphs, overlap and calibration run the model
         self.kv_scales = self._kv_scales(model)
         # What a peer's cache must match before blocks move between the two (kv_handoff.ensure_peer).
         self.kv_cache_format = kv_scales.describe(self.kv_cache_dtype, self.kv_scales)
@@ -109,9 +110,7 @@ class LLMEngine:
         # By default on CUDA, but not for MoE models whose experts run the Python loop there: it reads expert counts
         # back in every layer (moe.py), which waits for the running step anyway.
         overlap = config.overlap_output_processing
-        moe = self.model_config.moe
-        default_overlap = self.device.type == "cuda" and (moe is None or grouped_mm_fits(
-            self.device, self.dtype, self.model_config.hidden_size, moe.intermediate_size))
+        default_overlap = self.device.type == "cuda" and (self.model_config.moe is None or self.moe_grouped)
         self.overlap_output_processing = default_overlap if overlap is None else overlap
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None  # launched, not yet collected
         self._num_preemptions = 0

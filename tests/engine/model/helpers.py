@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import torch
 import transformers
 
 from flotilla.engine.model import AttentionMetadata, LlamaForCausalLM, SeqChunk, allocate_kv_cache, prefill_kernel
+from flotilla.models.toy_tokenizer import toy_tokenizer_json
 
 VOCAB = 512
 _BASE = dict(
@@ -204,3 +206,10 @@ class PagedDriver:
         with torch.inference_mode():
             hidden = self.model(torch.tensor(tokens), meta.positions, meta, self.kv_caches)
             return self.model.compute_logits(hidden)
+
+
+def add_tokenizer(directory) -> None:
+    """The engine needs a tokenizer.json; token ids are all the tests use."""
+    if not (directory / "tokenizer.json").exists():
+        (directory / "tokenizer.json").write_text(toy_tokenizer_json(VOCAB))
+        (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))

@@ -6,8 +6,6 @@ Sliding windows are 8 keys and the sequences run to 40 or more, so each window r
 checks that the output changes without the mask or the soft-cap); dynamic NTK and LongRoPE change frequencies
 past position 32, which the sequences cross in prefill and in decode."""
 
-import json
-
 import pytest
 import torch
 
@@ -16,10 +14,10 @@ from flotilla.engine.engine import LLMEngine
 from flotilla.engine.new_request import NewRequest
 from flotilla.engine.model import load_model
 from flotilla.engine.sampling_params import SamplingParams
-from flotilla.models.toy_tokenizer import toy_tokenizer_json
 from tests.support.kernels import kernels_cannot_build, needs_kernels
 
-from .helpers import VOCAB, PagedDriver, hf_chunked_logits, hf_greedy, hf_greedy_logprobs, hf_logits, random_tokens
+from .helpers import (PagedDriver, add_tokenizer, hf_chunked_logits, hf_greedy, hf_greedy_logprobs, hf_logits,
+                      random_tokens)
 
 ATOL = 1e-4
 KINDS = ["qwen3", "phi3", "phi3_longrope", "qwen3_moe", "mistral", "qwen2_window", "gemma2", "gemma3", "llama_yarn",
@@ -160,13 +158,7 @@ def _engine_greedy(engine: LLMEngine, prompts: list[list[int]], num_new: int, nu
 
 
 def _engine(directory) -> LLMEngine:
-    _add_tokenizer(directory)
+    add_tokenizer(directory)
     return LLMEngine(EngineConfig(model_dir=str(directory), device="cpu", num_kv_blocks=64, block_size=4,
                                   max_num_batched_tokens=16))
 
-
-def _add_tokenizer(directory) -> None:
-    """The engine needs a tokenizer.json; token ids are all the test uses."""
-    if not (directory / "tokenizer.json").exists():
-        (directory / "tokenizer.json").write_text(toy_tokenizer_json(VOCAB))
-        (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))

@@ -3,13 +3,18 @@ run, and the Python loop over the experts hit. Each against the other and agains
 Qwen3-MoE; the grouped way reads nothing back to the host (the loop reads each layer's expert counts), which on CUDA
 keeps a step free of host syncs."""
 
+import logging
+
 import pytest
 import torch
 
+from flotilla.engine.config import EngineConfig
+from flotilla.engine.engine import LLMEngine
+from flotilla.engine.model import load_model
 from flotilla.engine.model.config import MoEConfig
-from flotilla.engine.model.moe import Experts, grouped_mm_fits
+from flotilla.engine.model.moe import Experts, grouped_mm_fits, settle_experts_way
 
-from .helpers import PagedDriver, hf_chunked_logits, random_tokens
+from .helpers import PagedDriver, add_tokenizer, hf_chunked_logits, random_tokens
 
 
 def _experts(seed: int = 0) -> Experts:
@@ -101,3 +106,41 @@ def test_paged_qwen3_moe_matches_hf_either_way(checkpoint_factory, grouped):
     finally:
         for module in experts:
             module.grouped = None
+
+
+def _fresh_moe_model(checkpoint_factory):
+    return load_model(checkpoint_factory("qwen3_moe").directory, torch.float32, torch.device("cpu"))
+
+
+def test_start_up_settles_every_layer_grouped_on_a_cpu(checkpoint_factory):
+    ckpt = checkpoint_factory("qwen3_moe")
+    add_tokenizer(ckpt.directory)
+    engine = LLMEngine(EngineConfig(model_dir=str(ckpt.directory), num_kv_blocks=16, block_size=4))
+    layers = [module for module in engine.runner.model.modules() if isinstance(module, Experts)]
+    assert engine.moe_grouped is True and layers and all(layer.grouped is True for layer in layers)
+
+
+@pytest.mark.parametrize("failure", ["raises", "differs"])
+def test_a_grouped_call_that_fails_its_probe_leaves_every_layer_on_the_loop(checkpoint_factory, monkeypatch, caplog,
+                                                                            failure):
+    """The grouped call has never run on a GPU: if it is refused or wrong where it should fit, the model still serves
+    through the loop, and the log says why."""
+    model = _fresh_moe_model(checkpoint_factory)
+    if failure == "raises":
+        def refused(*args, **kwargs):
+            raise RuntimeError("grouped gemm is not supported here")
+        monkeypatch.setattr(torch, "_grouped_mm", refused)
+    else:
+        grouped = Experts._grouped
+        monkeypatch.setattr(Experts, "_grouped", lambda self, *args: grouped(self, *args) * 1.5)
+    with caplog.at_level(logging.WARNING, logger="flotilla.engine.model.moe"):
+        assert settle_experts_way(model) is False
+    layers = [module for module in model.modules() if isinstance(module, Experts)]
+    assert layers and all(layer.grouped is False for layer in layers)
+    assert "every layer runs the loop" in caplog.text
+    assert ("failed" if failure == "raises" else "differs") in caplog.text
+
+
+def test_a_model_without_experts_settles_nothing(checkpoint_factory):
+    assert settle_experts_way(load_model(checkpoint_factory("qwen3").directory, torch.float32,
+                                         torch.device("cpu"))) is False

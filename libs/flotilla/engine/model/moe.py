@@ -8,15 +8,26 @@ it to rounding. Two ways to run the groups:
   the Python loop's result and 2-13% faster at Qwen3-30B-A3B's shapes (loadtest/bench_moe_experts.py);
 - a Python loop over the experts hit, slicing by counts read back to the host, where the grouped call would be
   slow or refused (CUDA before sm90 or not in bf16, rows not 16-byte aligned).
+The engine settles the way once at start-up (settle_experts_way): grouped only where it fits and a probe of it
+agrees with the loop, so a device where the grouped call fails runs the loop instead of failing every step.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from flotilla.engine.model.config import MoEConfig
+
+log = logging.getLogger(__name__)
+
+# The start-up probe's tokens, and how far the two ways may differ relative to the largest output: bf16 matmuls
+# that sum in another order differ by a few units of its last place; a wrong layout differs by the whole output.
+PROBE_TOKENS = 16
+PROBE_TOLERANCE = 0.05
 
 
 class Experts(nn.Module):
@@ -28,7 +39,7 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * inter, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(moe.num_experts, hidden_size, inter))
 
-    # None: grouped where grouped_mm_fits; True/False forces a way (tests, the device check)
+    # None: grouped where grouped_mm_fits; True/False: the way settle_experts_way chose, or a test forces
     grouped: bool | None = None
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -84,6 +95,49 @@ def grouped_mm_fits(device: torch.device, dtype: torch.dtype, hidden_size: int, 
     if device.type == "cuda":
         return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
     return device.type == "cpu"
+
+
+def settle_experts_way(model: nn.Module) -> bool:
+    """At start-up: whether the model's MoE layers run grouped, set on each of them. Where grouped_mm_fits, the first
+    layer's experts run a probe both ways (random tokens, each to its own experts); an error or a difference past
+    PROBE_TOLERANCE sends every layer to the loop, with a warning. Returns the way: True for grouped."""
+    layers = [module for module in model.modules() if isinstance(module, Experts)]
+    if not layers:
+        return False
+    first = layers[0]
+    weight = first.gate_up_proj
+    grouped = grouped_mm_fits(weight.device, weight.dtype, weight.shape[2], first.down_proj.shape[2])
+    if grouped:
+        try:
+            difference = _probe(first)
+        except RuntimeError as error:
+            log.warning("MoE experts: the grouped matmul failed on %s (%s); every layer runs the loop",
+                        weight.device, error)
+            grouped = False
+        else:
+            if difference > PROBE_TOLERANCE:
+                log.warning("MoE experts: the grouped matmul differs from the loop by %.3g of the output on %s; "
+                            "every layer runs the loop", difference, weight.device)
+                grouped = False
+    for layer in layers:
+        layer.grouped = grouped
+    return grouped
+
+
+@torch.inference_mode()
+def _probe(experts: Experts) -> float:
+    """The largest difference between the two ways over the largest output, on PROBE_TOKENS random tokens."""
+    weight = experts.gate_up_proj
+    num_experts = weight.shape[0]
+    generator = torch.Generator(device=weight.device).manual_seed(0)
+    x = torch.randn(PROBE_TOKENS, weight.shape[2], generator=generator, device=weight.device).to(weight.dtype)
+    scores = torch.rand(PROBE_TOKENS, num_experts, generator=generator, device=weight.device)
+    weights, expert_ids = scores.topk(min(2, num_experts), dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).to(weight.dtype)
+    grouped = experts._grouped(x, expert_ids, weights).float()
+    loop = experts._loop(x, expert_ids, weights).float()
+    largest = loop.abs().max().item()
+    return (grouped - loop).abs().max().item() / largest if largest > 0 else float((grouped != 0).any())
 
 
 class SparseMoE(nn.Module):
