@@ -10,9 +10,10 @@ from collections.abc import Callable
 import torch
 
 
-def _best_seconds(run: Callable[[], None], device: torch.device, reps: int) -> float:
+def timed_seconds(run: Callable[[], None], device: torch.device, reps: int) -> list[float]:
+    """Seconds of each of `reps` runs after one warm-up: CUDA events on a GPU, the wall clock elsewhere."""
     run()
-    best = float("inf")
+    seconds = []
     for _ in range(reps):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -20,12 +21,16 @@ def _best_seconds(run: Callable[[], None], device: torch.device, reps: int) -> f
             run()
             end.record()
             end.synchronize()
-            best = min(best, start.elapsed_time(end) / 1e3)
+            seconds.append(start.elapsed_time(end) / 1e3)
         else:
             started = time.perf_counter()
             run()
-            best = min(best, time.perf_counter() - started)
-    return max(best, 1e-9)
+            seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+def _best_seconds(run: Callable[[], None], device: torch.device, reps: int) -> float:
+    return max(min(timed_seconds(run, device, reps), default=float("inf")), 1e-9)
 
 
 def memory_bandwidth_gb_s(device: torch.device, buffer_mib: int = 4096, reps: int = 5) -> float:

@@ -11,9 +11,10 @@ runs it at any shape on the CPU."""
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
+
+from loadtest.common.device_floors import timed_seconds
 
 FULL_SHAPE = dict(experts=128, top_k=8, hidden=2048, intermediate=768, tokens=(64, 2048), rounds=5)
 DRY_SHAPE = dict(experts=8, top_k=2, hidden=32, intermediate=48, tokens=(4, 64), rounds=2)
@@ -28,21 +29,7 @@ def _routing(num_tokens: int, shape: dict, device: torch.device, dtype: torch.dt
 
 
 def _ms_a_call(call, device: torch.device, rounds: int) -> float:
-    call()  # warm-up: kernel selection, allocator
-    times = []
-    for _ in range(rounds):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            call()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            began = time.perf_counter()
-            call()
-            times.append((time.perf_counter() - began) * 1e3)
-    return statistics.median(times)
+    return statistics.median(timed_seconds(call, device, rounds)) * 1e3
 
 
 def moe_grouped_check(device: torch.device) -> dict:

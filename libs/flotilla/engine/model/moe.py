@@ -88,8 +88,7 @@ class Experts(nn.Module):
 def grouped_mm_fits(device: torch.device, dtype: torch.dtype, hidden_size: int, intermediate_size: int) -> bool:
     """Whether the experts run grouped: rows 16-byte aligned (the grouped call refuses others), and on CUDA only its
     fast path, sm90+ in bf16 (its fallback there reads group sizes back, as the Python loop does)."""
-    bytes_per_element = torch.empty((), dtype=dtype).element_size()
-    aligned = all(size * bytes_per_element % 16 == 0 for size in (hidden_size, intermediate_size))
+    aligned = all(size * dtype.itemsize % 16 == 0 for size in (hidden_size, intermediate_size))
     if not (aligned and hasattr(torch, "_grouped_mm")):
         return False
     if device.type == "cuda":
