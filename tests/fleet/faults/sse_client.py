@@ -39,11 +39,15 @@ class StreamResult:
             self.prompt_tokens = payload["usage"]["prompt_tokens"]
 
 
-def completion_body(prompt: list[int], max_tokens: int, seed: int | None = None, stream: bool = True) -> dict:
+def completion_body(prompt: list[int], max_tokens: int, seed: int | None = None, stream: bool = True,
+                    top_k: int = 0) -> dict:
+    """Greedy, or with a seed sampled at temperature 0.8 (and top_k, vLLM's extension, where given)."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": stream,
             "temperature": 0.0 if seed is None else 0.8}
     if seed is not None:
         body["seed"] = seed
+    if top_k:
+        body["top_k"] = top_k
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body

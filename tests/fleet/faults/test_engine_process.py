@@ -17,8 +17,8 @@ from tests.support.waiting import wait_until
 
 from .conftest import KEY_ID, TENANT
 from .sse_client import stream_completion
-# Its prompts and seeds: no seeded draw of theirs lies near a CDF boundary on the tiny checkpoint, where a
-# batch-dependent 1e-7 in the logits could flip it (see there).
+# Its prompts and seeds: no seeded draw of theirs lies near a CDF boundary on the tiny checkpoint, where the
+# float32 noise of a resumed stream's re-prefill could flip it (see there).
 from .test_worker_failure import _body, _prompts
 
 NUM_STREAMS = 16
