@@ -2,7 +2,9 @@
 
 Randomness is stateless per token: a request's i-th output token is drawn with one uniform number derived
 from (seed, i) alone. The same seed gives the same samples whatever else shares the batch, and a stream
-resumed elsewhere at token i continues the same sequence.
+resumed elsewhere at token i continues with the same uniform numbers. (Its tokens match as far as its logits do:
+a resumed stream's come from a prefill, float32 rounding apart from the decode steps', which can move a CDF
+boundary across a draw lying very close to it; loadtest/resume_margins.py measures how close.)
 
 Sampled rows are drawn together by inverse CDF: one cumulative sum over the batch's probabilities and one
 search per row. (A per-row torch.Generator filling a vocabulary of exponentials cost ~0.2 ms per token on a

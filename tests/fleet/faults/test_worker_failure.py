@@ -26,11 +26,12 @@ MAX_TOKENS = 24
 # victim's streams have all finished.
 STOP_AFTER_EVENTS = 2
 # Seeded streams use SEED_BASE + i and top-k 8. A resumed stream's tokens come from a re-prefill, whose float32
-# logits differ from the decode steps' by up to ~1e-4 on the tiny checkpoint (both are that far from float64);
-# that moves a draw's CDF boundaries by up to ~2e-5. With the whole vocabulary a draw's interval is ~1e-4 wide:
-# with base 10000 one draw (stream 16, token 22) lay 1.2e-6 from a boundary and flipped when its stream resumed
-# before it. Top-k 8 makes the intervals wide; with this base the closest of the 768 seeded draws is 4.8e-4 from
-# a boundary, 27x the largest shift over 8,832 resumed draws (docs/performance.md, "Seeded draws under resume").
+# logits differ from the decode steps' by up to ~1e-4 on the tiny checkpoint; that moves a draw's CDF boundaries
+# by up to ~2e-5. Over the whole vocabulary a draw's interval is ~1e-4 wide: with base 10000 one draw (stream 16,
+# token 22) lay 1.2e-6 from a boundary and flipped when its stream resumed before it. Top-k 8 makes the intervals
+# wide; with this base the closest of the 768 seeded draws is 4.8e-4 from a boundary, 21x the largest shift over
+# 8,832 resumed draws (loadtest/resume_margins.py; docs/performance.md, "when a stream resumes"). The greedy
+# streams' closest top-two gap is 3.4x the largest change a resume made to one.
 SEED_BASE = 23_000
 SEEDED_TOP_K = 8
 
