@@ -7,6 +7,8 @@ On random Llama-style checkpoints of real shapes (~1B and ~8B parameters, bf16, 
   at once, staged and unstaged (loadtest/common/gpu_swap_check.py);
 - MoE experts grouped (torch._grouped_mm) against the Python loop, whether the grouped way synchronises with the
   host, and both ways' ms a call (loadtest/common/gpu_moe_check.py);
+- a small Qwen3-MoE decoding through CUDA graphs against eagerly: the sizes captured, greedy agreement, and decode
+  speed each way (loadtest/common/gpu_moe_graphs.py);
 - exactness on the 1B: fp32 greedy equal to transformers' fp32 greedy on the same GPU; bf16 greedy agreement with
   transformers' bf16 (and transformers' bf16 with its own fp32, for scale); an fp8 KV cache, with calibrated and
   with unit scales, against the bf16 one (greedy agreement, largest logprob error of the tokens both chose); swap
@@ -41,9 +43,10 @@ import torch
 from loadtest.common.device_floors import matmul_tflops, memory_bandwidth_gb_s
 from loadtest.common.gpu_exactness import exactness, kernel_check
 from loadtest.common.greedy_compare import agreement
-from loadtest.common.gpu_runs import Plan, free
+from loadtest.common.gpu_runs import DRY, FULL, free
 from loadtest.common.gpu_split_decode import split_decode_check
 from loadtest.common.gpu_moe_check import moe_grouped_check
+from loadtest.common.gpu_moe_graphs import moe_graphs_check
 from loadtest.common.gpu_swap_check import swap_stream_check
 from loadtest.common.gpu_throughput import engine_performance, floors, transformers_performance
 from loadtest.common.random_llama import write_random_llama
@@ -53,10 +56,6 @@ __all__ = ["agreement", "main"]
 NO_CUDA = ("gpu-check: no CUDA device here (torch.cuda.is_available() is False). It measures the engine on a GPU; "
            "run it on a CUDA machine, or with --dry-run for its CPU smoke test.")
 
-# exact and perf sizes, exactness prompts / length / new tokens, batch-1 prompt / new tokens, batch, its prompt /
-# new tokens, prefill requests / length, bandwidth buffer MiB, matmul size, KV bytes, max_model_len
-FULL = Plan("1b", "8b", 8, 64, 32, 128, 128, 64, 128, 128, 32, 1024, 4096, 8192, 16 << 30, 2048)
-DRY = Plan("tiny", "tiny", 2, 16, 6, 8, 8, 4, 8, 8, 4, 32, 64, 256, 64 << 20, 256)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -93,6 +92,8 @@ def run(args: argparse.Namespace) -> dict:
     _section(report, "swap_streams", lambda: swap_stream_check(device))
     _section(report, "moe_grouped", lambda: moe_grouped_check(device))
     with tempfile.TemporaryDirectory(dir=args.work_dir, prefix="gpu-check-") as tmp:
+        _section(report, "moe_graphs", lambda: moe_graphs_check(device, Path(tmp), args.seed))
+        shutil.rmtree(Path(tmp) / "qwen3-moe", ignore_errors=True)
         exact_dir = write_random_llama(Path(tmp) / plan.exact_size, plan.exact_size, device, seed=args.seed)
         _section(report, "exactness", lambda: exactness(exact_dir, device, plan, args.seed))
         perf_dir = exact_dir

@@ -34,6 +34,8 @@ class Plan(NamedTuple):
     max_model_len: int
 
 
+# exact and perf sizes, exactness prompts / length / new tokens, batch-1 prompt / new tokens, batch, its prompt /
+# new tokens, prefill requests / length, bandwidth buffer MiB, matmul size, KV bytes, max_model_len
 FULL = Plan("1b", "8b", 8, 64, 32, 128, 128, 64, 128, 128, 32, 1024, 4096, 8192, 16 << 30, 2048)
 DRY = Plan("tiny", "tiny", 2, 16, 6, 8, 8, 4, 8, 8, 4, 32, 64, 256, 64 << 20, 256)
 

@@ -42,7 +42,7 @@ def engine_performance(model_dir: Path, device: torch.device, plan: Plan, seed: 
     engine = start_engine(model_dir, device, plan, cuda_graph_max_batch=plan.batch)
     engine.overlap_output_processing = True  # the CUDA default, set so that a dry run on a CPU takes this path too
     _timed_steps(engine, random_prompts(2, plan.decode_prompt_len, seed + 9), 4, device)  # compiles the kernels
-    decode = _decode_runs(engine, plan, seed + 1, seed + 2, device)
+    decode = decode_runs(engine, plan, seed + 1, seed + 2, device)
     prompts = random_prompts(plan.prefill_requests, plan.prefill_len, seed + 3)
     began = time.perf_counter()
     _timed_steps(engine, prompts, 1, device)
@@ -61,7 +61,7 @@ def engine_performance(model_dir: Path, device: torch.device, plan: Plan, seed: 
     return result
 
 
-def _decode_runs(engine: LLMEngine, plan: Plan, seed_one: int, seed_batch: int, device: torch.device) -> dict:
+def decode_runs(engine: LLMEngine, plan: Plan, seed_one: int, seed_batch: int, device: torch.device) -> dict:
     """One sequence decoding (median ms a step), then a batch (tok/s once every request had its first token, and
     the batch's seconds end to end)."""
     steps, _, _ = _timed_steps(engine, random_prompts(1, plan.decode_prompt_len, seed_one), plan.decode_new_tokens,
@@ -77,7 +77,7 @@ def _decode_without_overlap(engine: LLMEngine, plan: Plan, seed: int, device: to
     """The decode runs again with each step read back before the next is scheduled (overlap_output_processing off):
     what the overlap saves is the difference."""
     engine.overlap_output_processing = False
-    decode = _decode_runs(engine, plan, seed + 4, seed + 5, device)
+    decode = decode_runs(engine, plan, seed + 4, seed + 5, device)
     engine.overlap_output_processing = True
     return {key: decode[key] for key in ("decode_ms_per_token_batch1", "decode_tok_s_batch")}
 

@@ -40,6 +40,10 @@ def test_dry_run_reports_every_figure(tmp_path, capsys):
     assert moe["grouped_vs_loop_max_error_relative"] < 1e-5
     assert moe["engine_picks_grouped"] and moe["start_up_probe_keeps_grouped"]  # a CPU, rows aligned
     assert all(moe[f"{way}_ms_{n}_tokens"] > 0 for way in ("grouped", "loop") for n in moe["shape"]["tokens"])
+    graphs = report["moe_graphs"]  # on a CPU both runs are eager: the same tokens
+    assert graphs["graphs_experts_grouped"] and graphs["graphs_cuda_graph_sizes"] == []
+    assert graphs["greedy_agreement_graphs_vs_eager"] == 1.0
+    assert all(graphs[f"{way}_decode_ms_per_token_batch1"] > 0 for way in ("graphs", "eager"))
 
 
 def test_agreement_counts_tokens_before_the_first_difference():

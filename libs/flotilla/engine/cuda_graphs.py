@@ -21,6 +21,7 @@ import torch
 
 from flotilla.engine.device_copy import pinned
 from flotilla.engine.model.attention import AttentionMetadata
+from flotilla.engine.model.moe import Experts
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +74,13 @@ def padded_inputs(rows: Sequence[DecodeRow], bucket: int, width: int, block_size
 
 
 def graphs_apply(model) -> bool:
-    """Graphs replay fixed work: no MoE routing (data-dependent shapes), no length-dependent RoPE (host-side
-    choices per step)."""
+    """Graphs replay fixed work: MoE layers only where they run grouped (settle_experts_way chose it: fixed shapes,
+    routing read on the device; the loop's shapes follow each step's routing, read back), no length-dependent RoPE
+    (host-side choices per step)."""
     if model.config.moe is not None:
-        return False
+        experts = [module for module in model.modules() if isinstance(module, Experts)]
+        if not experts or not all(module.grouped is True for module in experts):
+            return False
     return all(rope.long_after is None and rope.dynamic_after is None for rope in model.model.rotary_embeddings())
 
 
