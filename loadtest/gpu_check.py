@@ -15,7 +15,8 @@ On random Llama-style checkpoints of real shapes (~1B and ~8B parameters, bf16, 
   preemption to pinned host memory against a run without preemption;
 - on the 8B: decode ms/token at batch 1 against the memory floor (weight bytes read per step / measured copy
   bandwidth), batched decode and prefill tok/s against the compute floor (2 FLOPs per parameter per token at the
-  measured bf16 matmul rate), and transformers' figures on the same workload.
+  measured bf16 matmul rate), decode with overlap scheduling off and beside a JSON-mode request, and transformers'
+  figures on the same workload.
 Targets (reported, never asserted): decode <= 1.3x the memory floor at batch 1, prefill >= 60% of the compute
 floor, >= 2x transformers' throughput at batch 64. One JSON line at the end. Needs only torch, triton,
 transformers, safetensors, tokenizers and this repository; fetches nothing. Under 8 minutes on an H200.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -11,17 +12,25 @@ import torch
 from flotilla.engine.engine import LLMEngine
 from flotilla.engine.new_request import NewRequest
 from flotilla.engine.sampling_params import SamplingParams
+from flotilla.engine.structured_output import StructuredOutput
 from loadtest.common.gpu_runs import Plan, free, hf_model, random_prompts, start_engine, sync
 from loadtest.common.random_llama import decode_bytes_per_token, num_parameters
 
 
-def _timed_steps(engine: LLMEngine, prompts, new_tokens: int, device: torch.device) -> tuple[list[float], int, float]:
-    """Runs prompts to new_tokens each; (seconds between one step() returning and the next, tokens emitted after
-    every request had its first one, seconds since then). No synchronisation between steps: with overlap a call
-    returns while the step it launched runs, and waiting for it there would time the steps one after the other."""
+# Any JSON object: the grammar request beside a batch (the random model's output decides how long it runs).
+JSON_OBJECT = StructuredOutput("json", '{"type": "object"}')
+
+
+def _timed_steps(engine: LLMEngine, prompts, new_tokens: int, device: torch.device,
+                 first_structured: StructuredOutput | None = None) -> tuple[list[float], int, float]:
+    """Runs prompts to new_tokens each (the first under `first_structured`, if given); (seconds between one step()
+    returning and the next, tokens emitted after every request had its first one, seconds since then). No
+    synchronisation between steps: with overlap a call returns while the step it launched runs, and waiting for it
+    there would time the steps one after the other."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        engine.add_request(NewRequest(f"perf-{i}-{time.monotonic_ns()}", tuple(prompt), params))
+        own = params if i or first_structured is None else replace(params, structured_output=first_structured)
+        engine.add_request(NewRequest(f"perf-{i}-{time.monotonic_ns()}", tuple(prompt), own))
     sync(device)
     started_ids: set[str] = set()
     steps, steady_tokens, steady_since = [], 0, None
@@ -55,6 +64,7 @@ def engine_performance(model_dir: Path, device: torch.device, plan: Plan, seed: 
         "batch_end_to_end_tok_s": plan.batch * plan.batch_new_tokens / decode["batch_seconds"],
         "prefill_tok_s": plan.prefill_requests * plan.prefill_len / prefill_seconds,
         "overlap_off": _decode_without_overlap(engine, plan, seed, device),
+        "beside_a_grammar": _decode_beside_a_grammar(engine, plan, seed, device),
     }  # fmt: skip
     del engine
     free()
@@ -80,6 +90,20 @@ def _decode_without_overlap(engine: LLMEngine, plan: Plan, seed: int, device: to
     decode = decode_runs(engine, plan, seed + 4, seed + 5, device)
     engine.overlap_output_processing = True
     return {key: decode[key] for key in ("decode_ms_per_token_batch1", "decode_tok_s_batch")}
+
+
+def _decode_beside_a_grammar(engine: LLMEngine, plan: Plan, seed: int, device: torch.device) -> dict:
+    """The batch with its first request in JSON mode, overlap on and off (tok/s once every request had its first
+    token). A step with grammar rows is launched up to its logits and sampled once the step before is read, so one
+    such request no longer takes the whole batch off overlap."""
+    result = {}
+    for overlap in (True, False):
+        engine.overlap_output_processing = overlap
+        _, tokens, seconds = _timed_steps(engine, random_prompts(plan.batch, plan.batch_prompt_len, seed + 6),
+                                          plan.batch_new_tokens, device, JSON_OBJECT)
+        result[f"decode_tok_s_batch_overlap_{'on' if overlap else 'off'}"] = tokens / max(seconds, 1e-9)
+    engine.overlap_output_processing = True
+    return result
 
 
 @torch.inference_mode()

@@ -7,6 +7,7 @@ and no block may be left behind."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from types import SimpleNamespace
 
@@ -122,8 +123,8 @@ def test_next_step_is_launched_before_the_running_one_is_read(reference):
     rows = {}
     for name, engine in (("sync", sync), ("overlap", overlap)):
         launch = engine.runner.launch
-        engine.runner.launch = lambda so, *rest, _name=name, _launch=launch: (
-            rows.__setitem__(_name, rows.get(_name, 0) + len(so.chunks)) or _launch(so, *rest))
+        engine.runner.launch = lambda so, *rest, _name=name, _launch=launch, **options: (
+            rows.__setitem__(_name, rows.get(_name, 0) + len(so.chunks)) or _launch(so, *rest, **options))
     requests = [(f"p{i}", tuple(reference.prompts[i]), SamplingParams(max_tokens=12, temperature=0.0 if i % 2 else 0.8,
                                                                      seed=i, ignore_eos=True)) for i in range(6)]
     for request_id, prompt, params in requests:
@@ -136,6 +137,37 @@ def test_next_step_is_launched_before_the_running_one_is_read(reference):
     assert awaiting == len(requests)  # every decoding request had a token on the device between calls
     assert streams == {k: [t for item in v for t in item[0]] for k, v in _stream(sync, requests).items()}
     assert rows["overlap"] == rows["sync"]  # no row past a request's last token (max_tokens known ahead)
+    assert overlap.check_integrity()
+    assert overlap.stats().num_free_blocks == overlap.stats().num_total_blocks
+
+
+def test_grammar_steps_are_launched_before_the_running_one_is_read(reference):
+    """Grammar requests (a JSON schema, a regex, choices; greedy and sampled) beside plain ones. Each step is
+    launched up to its logits while the one before is still unread; its grammar rows are sampled once that step's
+    tokens reached their matchers. Choices complete within a few tokens, with the next step in flight: their rows
+    there are dropped. The streams equal the synchronous order's and every output follows its grammar."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "tag": {"type": "string", "maxLength": 6}},
+              "required": ["n", "tag"], "additionalProperties": False}
+    grammars = [StructuredOutput("json", json.dumps(schema)), StructuredOutput("regex", r"[a-z]{2,6}( [a-z]{2,6}){2}"),
+                StructuredOutput("choice", json.dumps(["yes", "no", "maybe later"]))]
+    requests = [(f"g{i}", tuple(reference.prompts[i]),
+                 SamplingParams(max_tokens=40, temperature=0.0 if i % 2 else 0.8, seed=i,
+                                structured_output=grammars[i % 3])) for i in range(6)]
+    requests += [(f"p{i}", tuple(reference.prompts[6 + i]), SamplingParams(max_tokens=20, temperature=0.0))
+                 for i in range(3)]
+    sync, overlap = _engine(reference.model_dir, overlap=False), _engine(reference.model_dir, overlap=True)
+    launches = []
+    launch = overlap.runner.launch
+    overlap.runner.launch = lambda so, previous=None, **options: (
+        launches.append((any(c.request.grammar is not None for c in so.chunks), previous is not None))
+        or launch(so, previous, **options))
+    expected = _stream(sync, requests)
+    assert _stream(overlap, requests) == expected
+    # Steps with grammar rows went out while the step before was unread (before this, such steps waited for it).
+    assert sum(grammar and ahead for grammar, ahead in launches) >= 10
+    json.loads(_text(expected["g0"]))
+    assert re.fullmatch(r"[a-z]{2,6}( [a-z]{2,6}){2}", _text(expected["g1"]))
+    assert _text(expected["g2"]) in ("yes", "no", "maybe later")
     assert overlap.check_integrity()
     assert overlap.stats().num_free_blocks == overlap.stats().num_total_blocks
 
@@ -189,8 +221,8 @@ def test_batch_bound_gets_the_time_of_the_step_the_call_waited_for(reference, mo
         perf_counter=lambda: clock[0], monotonic=time.monotonic, monotonic_ns=time.monotonic_ns))
     launch = engine.runner.launch
 
-    def launch_with_a_clocked_collect(scheduler_output, *rest):
-        pending = launch(scheduler_output, *rest)
+    def launch_with_a_clocked_collect(scheduler_output, *rest, **options):
+        pending = launch(scheduler_output, *rest, **options)  # no grammar rows: never a DeferredSampling
         collect = pending.collect
 
         def clocked_collect():

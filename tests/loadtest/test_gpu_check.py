@@ -28,6 +28,7 @@ def test_dry_run_reports_every_figure(tmp_path, capsys):
     performance = report["performance"]
     for side in ("engine", "transformers"):
         assert all(value > 0 for key, value in performance[side].items() if key.endswith(("_s", "_batch1")))
+    assert all(value > 0 for value in performance["engine"]["beside_a_grammar"].values())
     assert set(report["targets"]) >= {"decode_vs_memory_floor", "prefill_share_of_compute_floor",
                                       "batch_speedup_vs_transformers"}
     assert list(tmp_path.iterdir()) == []  # the random checkpoints are removed

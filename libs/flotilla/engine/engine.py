@@ -30,7 +30,7 @@ from flotilla.engine.model.kv_cache import num_blocks_for_budget
 from flotilla.engine.model.loader import load_model
 from flotilla.engine.model.moe import settle_experts_way
 from flotilla.engine.model.rope import prompt_length_key
-from flotilla.engine.model_runner import ModelRunner, PendingStep
+from flotilla.engine.model_runner import DeferredSampling, ModelRunner, PendingStep
 from flotilla.engine.new_request import NewRequest
 from flotilla.engine.outputs import EngineStats, RequestOutput
 from flotilla.engine.request import FinishReason, Priority, Request
@@ -243,15 +243,17 @@ class LLMEngine:
         just launched, and returns the collected step's outputs. A request that ended there has a row in the
         launched step: it is dropped when it comes back, and the K/V it writes lands in blocks already freed,
         which later steps (queued behind it on the same stream) overwrite. A request whose last token is in flight
-        is not scheduled again. When the running step has a grammar request (its next mask needs the token) or a
-        KV-transfer hook is set, the call collects first, as without overlap."""
+        is not scheduled again. A grammar request's next mask needs the token in flight: a step with grammar rows
+        is launched up to its logits, and its sampling follows the collection of the step before (the host computes
+        the masks while the device runs the forward pass). When a KV-transfer hook is set, the call collects first,
+        as without overlap."""
         started = time.perf_counter()
         self.release_expired_quarantine()
         outputs = []
         # The step this call waits for last: its time is the call's (with overlap, the one launched by the last
         # call, not the one this call launches).
         waited_for = None
-        if self._in_flight is not None and not self._schedules_ahead():
+        if self._in_flight is not None and not self._overlaps():
             waited_for = self._in_flight[0]
             outputs += self._emit(self._collect(self._take_in_flight()))
         scheduler_output = self.scheduler.schedule()
@@ -260,8 +262,11 @@ class LLMEngine:
         if scheduler_output.is_empty and not scheduler_output.swap_out:
             self._last_step_seconds = 0.0
             return outputs + self._emit(self._collect(previous))
-        pending = self.runner.launch(scheduler_output, previous[1] if previous is not None else None)
+        pending = self.runner.launch(scheduler_output, previous[1] if previous is not None else None,
+                                     defer_constrained=previous is not None)
         collected = self._collect(previous)
+        if isinstance(pending, DeferredSampling):  # its grammar rows' masks needed the tokens just collected
+            pending = pending.sample()
         if previous is not None:
             waited_for = previous[0]
         self.scheduler.publish_filled(scheduler_output)
@@ -280,12 +285,6 @@ class LLMEngine:
         """Whether a launched step is left running past this call (a KV-transfer hook ships a step's K/V as it
         runs and wants the step done within it)."""
         return self.overlap_output_processing and self.runner.kv_hook is None
-
-    def _schedules_ahead(self) -> bool:
-        """Whether the next step may be scheduled before the running one's tokens are read: not when one of its
-        requests follows a grammar (the next mask needs the token)."""
-        scheduler_output, _ = self._in_flight
-        return self._overlaps() and all(chunk.request.grammar is None for chunk in scheduler_output.chunks)
 
     def _take_in_flight(self) -> tuple[SchedulerOutput, PendingStep] | None:
         launched, self._in_flight = self._in_flight, None

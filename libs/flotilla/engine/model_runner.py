@@ -79,11 +79,14 @@ class ModelRunner:
         return self.launch(scheduler_output).collect()
 
     @torch.inference_mode()
-    def launch(self, scheduler_output: SchedulerOutput, previous: PendingStep | None = None) -> PendingStep:
+    def launch(self, scheduler_output: SchedulerOutput, previous: PendingStep | None = None,
+               defer_constrained: bool = False) -> PendingStep | DeferredSampling:
         """Queue the step's work on the device and return without waiting for it: on a GPU the sampled token ids
         come back through an asynchronous copy that PendingStep.collect() waits for (on a CPU it all ran here).
         previous: the step before, still running, whose sampled ids this step's PLACEHOLDER tokens are (read on
-        the device: nothing waits for them)."""
+        the device: nothing waits for them). defer_constrained: when the step has grammar rows, stop after the
+        logits and return DeferredSampling, whose sample() masks and samples once the grammars have consumed
+        `previous`'s tokens (their masks need them)."""
         self._move_blocks(scheduler_output)
         if scheduler_output.is_empty:  # a step may only swap out
             return PendingStep([], None)
@@ -104,8 +107,18 @@ class ModelRunner:
         last_rows = to_device(_last_rows(chunks, sampling), self.device, torch.int64)
         logits = self.model.compute_logits(hidden[last_rows])
         requests = [chunks[i].request for i in sampling]
-        # Structured outputs: constrained rows sample from masked logits; logprobs stay the model's own.
-        constrained = [i for i, request in enumerate(requests) if request.grammar is not None]
+        if defer_constrained and any(request.grammar is not None for request in requests):
+            return DeferredSampling(self, requests, logits)
+        return self.sample(requests, logits)
+
+    @torch.inference_mode()
+    def sample(self, requests: Sequence, logits: torch.Tensor) -> PendingStep:
+        """Sample one token per row of logits [N, V] (and the log-probabilities asked for) on the device."""
+        # Structured outputs: constrained rows sample from masked logits; logprobs stay the model's own. A grammar
+        # that completed since the launch (overlap: its request ended with the step before) masks nothing: that
+        # row is dropped when it comes back.
+        constrained = [i for i, request in enumerate(requests)
+                       if request.grammar is not None and not request.grammar.is_stopped()]
         sampling_logits = mask_logits(logits, constrained, [requests[i].grammar for i in constrained]) if constrained else logits
         token_ids = sample_ids(sampling_logits, requests, self.default_seed)
         wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
@@ -160,6 +173,18 @@ class ModelRunner:
             to_device(token_ids, self.device, torch.int64),
             to_device(positions, self.device, torch.int64),
         )
+
+
+class DeferredSampling(NamedTuple):
+    """A launched step whose forward pass is queued and whose sampling waits for its grammar rows' masks
+    (ModelRunner.launch with defer_constrained): sample() once the grammars have consumed the step before's tokens."""
+
+    runner: ModelRunner
+    requests: Sequence
+    logits: torch.Tensor
+
+    def sample(self) -> PendingStep:
+        return self.runner.sample(self.requests, self.logits)
 
 
 class Placeholders(NamedTuple):
