@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> dict:
         shifts, flips = [], []
         points = args.resume_points or range(1, args.max_tokens)
         for point in points:
-            resumed = run(engine, [NewRequest(f"at{point}-{i}", tuple(prompts[i]), params(i, base, args.max_tokens - point),
+            resumed = run(engine, [NewRequest(f"at{point}-{i}", tuple(prompts[i]),
+                                              params(i, base, args.max_tokens - point),
                                               delivered_token_ids=tuple(reference[f"ref-{i}"][:point]))
                                    for i in streams if point < len(reference[f"ref-{i}"])])
             for request_id, tokens in resumed.items():

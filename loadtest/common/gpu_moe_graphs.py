@@ -65,7 +65,8 @@ def moe_graphs_check(device: torch.device, work_dir: Path, seed: int = 0) -> dic
     tokens = {}
     for way, graphs in (("graphs", True), ("eager", False)):
         engine = LLMEngine(EngineConfig(model_dir=str(model_dir), device=device.type, cuda_graphs=graphs,
-                                        max_model_len=1024, max_num_seqs=runs.batch, kv_cache_memory_bytes=runs.kv_bytes))
+                                        max_model_len=1024, max_num_seqs=runs.batch,
+                                        kv_cache_memory_bytes=runs.kv_bytes))
         result[f"{way}_experts_grouped"] = engine.moe_grouped
         result[f"{way}_overlap"] = engine.overlap_output_processing
         result[f"{way}_cuda_graph_sizes"] = engine.runner.graphs.sizes if engine.runner.graphs is not None else []

@@ -119,7 +119,8 @@ class ModelRunner:
         # row is dropped when it comes back.
         constrained = [i for i, request in enumerate(requests)
                        if request.grammar is not None and not request.grammar.is_stopped()]
-        sampling_logits = mask_logits(logits, constrained, [requests[i].grammar for i in constrained]) if constrained else logits
+        sampling_logits = (mask_logits(logits, constrained, [requests[i].grammar for i in constrained])
+                           if constrained else logits)
         token_ids = sample_ids(sampling_logits, requests, self.default_seed)
         wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
         read_back = [token_ids]
