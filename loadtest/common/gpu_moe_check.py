@@ -20,14 +20,6 @@ FULL_SHAPE = dict(experts=128, top_k=8, hidden=2048, intermediate=768, tokens=(6
 DRY_SHAPE = dict(experts=8, top_k=2, hidden=32, intermediate=48, tokens=(4, 64), rounds=2)
 
 
-def _routing(num_tokens: int, shape: dict, device: torch.device, dtype: torch.dtype, seed: int):
-    generator = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(num_tokens, shape["hidden"], generator=generator, device=device).to(dtype)
-    logits = torch.randn(num_tokens, shape["experts"], generator=generator, device=device)
-    weights, expert_ids = logits.softmax(-1).topk(shape["top_k"], dim=-1)
-    return x, expert_ids, (weights / weights.sum(-1, keepdim=True)).to(dtype)
-
-
 def _ms_a_call(call, device: torch.device, rounds: int) -> float:
     return statistics.median(timed_seconds(call, device, rounds)) * 1e3
 
@@ -42,7 +34,7 @@ def compare_ways(device: torch.device, dtype: torch.dtype, shape: dict) -> dict:
     """The grouped way against the loop on random experts of `shape`: their difference, the host-sync check (CUDA),
     and ms a call of each way at each of shape["tokens"]."""
     from flotilla.engine.model.config import MoEConfig
-    from flotilla.engine.model.moe import Experts, grouped_mm_fits, settle_experts_way
+    from flotilla.engine.model.moe import Experts, grouped_mm_fits, random_routing, settle_experts_way
 
     moe = MoEConfig(num_experts=shape["experts"], num_experts_per_tok=shape["top_k"],
                     intermediate_size=shape["intermediate"], norm_topk_prob=True, sparse_layers=(0,))
@@ -52,8 +44,12 @@ def compare_ways(device: torch.device, dtype: torch.dtype, shape: dict) -> dict:
         torch.nn.init.normal_(weight, std=0.02)
     experts = experts.to(device=device, dtype=dtype)
     result: dict = {"shape": {k: v for k, v in shape.items() if k != "rounds"}, "dtype": str(dtype)}
+
+    def routing(num_tokens: int, seed: int):
+        return random_routing(num_tokens, shape["hidden"], shape["experts"], shape["top_k"], device, dtype, seed)
+
     with torch.no_grad():
-        x, expert_ids, weights = _routing(max(shape["tokens"]), shape, device, dtype, seed=1)
+        x, expert_ids, weights = routing(max(shape["tokens"]), seed=1)
         result["engine_picks_grouped"] = grouped_mm_fits(device, dtype, shape["hidden"], shape["intermediate"])
         result["start_up_probe_keeps_grouped"] = settle_experts_way(experts)  # the engine's check at start-up
         grouped = experts._grouped(x, expert_ids, weights)
@@ -71,7 +67,7 @@ def compare_ways(device: torch.device, dtype: torch.dtype, shape: dict) -> dict:
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         for num_tokens in shape["tokens"]:
-            inputs = _routing(num_tokens, shape, device, dtype, seed=num_tokens)
+            inputs = routing(num_tokens, seed=num_tokens)
             for way in ("grouped", "loop"):
                 forward = getattr(experts, f"_{way}")
                 result[f"{way}_ms_{num_tokens}_tokens"] = _ms_a_call(lambda: forward(*inputs), device,

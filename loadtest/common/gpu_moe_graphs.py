@@ -32,7 +32,6 @@ DRY_MOE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_k
 # Decode runs: batch-1 prompt / new tokens, batch, batch prompt / new tokens, KV bytes
 FULL_RUNS = FULL._replace(decode_prompt_len=128, decode_new_tokens=64, batch=16, batch_prompt_len=128,
                           batch_new_tokens=64, kv_bytes=4 << 30)
-DRY_RUNS = DRY
 
 
 def write_random_qwen3_moe(out_dir: Path, shape: dict, device: torch.device, seed: int = 0) -> Path:
@@ -58,7 +57,7 @@ def write_random_qwen3_moe(out_dir: Path, shape: dict, device: torch.device, see
 
 
 def moe_graphs_check(device: torch.device, work_dir: Path, seed: int = 0) -> dict:
-    shape, runs = (FULL_MOE, FULL_RUNS) if device.type == "cuda" else (DRY_MOE, DRY_RUNS)
+    shape, runs = (FULL_MOE, FULL_RUNS) if device.type == "cuda" else (DRY_MOE, DRY)
     model_dir = write_random_qwen3_moe(work_dir / "qwen3-moe", shape, device, seed)
     prompts = random_prompts(8, 64, seed + 11)
     result: dict = {"shape": shape}

@@ -21,7 +21,7 @@ import torch
 
 from flotilla.engine.device_copy import pinned
 from flotilla.engine.model.attention import AttentionMetadata
-from flotilla.engine.model.moe import Experts
+from flotilla.engine.model.moe import expert_layers
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def graphs_apply(model) -> bool:
     routing read on the device; the loop's shapes follow each step's routing, read back), no length-dependent RoPE
     (host-side choices per step)."""
     if model.config.moe is not None:
-        experts = [module for module in model.modules() if isinstance(module, Experts)]
+        experts = expert_layers(model)
         if not experts or not all(module.grouped is True for module in experts):
             return False
     return all(rope.long_after is None and rope.dynamic_after is None for rope in model.model.rotary_embeddings())

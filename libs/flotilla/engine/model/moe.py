@@ -96,11 +96,27 @@ def grouped_mm_fits(device: torch.device, dtype: torch.dtype, hidden_size: int, 
     return device.type == "cpu"
 
 
+def expert_layers(model: nn.Module) -> list[Experts]:
+    """The model's MoE layers' experts, first layer first."""
+    return [module for module in model.modules() if isinstance(module, Experts)]
+
+
+def random_routing(num_tokens: int, hidden_size: int, num_experts: int, top_k: int, device: torch.device,
+                   dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random tokens x [T, H] in `dtype`, each sent to top_k of its own experts (uniform scores) with renormalised
+    weights: the start-up probe's inputs, and the device check's."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(num_tokens, hidden_size, generator=generator, device=device).to(dtype)
+    scores = torch.rand(num_tokens, num_experts, generator=generator, device=device)
+    weights, expert_ids = scores.topk(top_k, dim=-1)
+    return x, expert_ids, (weights / weights.sum(-1, keepdim=True)).to(dtype)
+
+
 def settle_experts_way(model: nn.Module) -> bool:
     """At start-up: whether the model's MoE layers run grouped, set on each of them. Where grouped_mm_fits, the first
     layer's experts run a probe both ways (random tokens, each to its own experts); an error or a difference past
     PROBE_TOLERANCE sends every layer to the loop, with a warning. Returns the way: True for grouped."""
-    layers = [module for module in model.modules() if isinstance(module, Experts)]
+    layers = expert_layers(model)
     if not layers:
         return False
     first = layers[0]
@@ -128,11 +144,8 @@ def _probe(experts: Experts) -> float:
     """The largest difference between the two ways over the largest output, on PROBE_TOKENS random tokens."""
     weight = experts.gate_up_proj
     num_experts = weight.shape[0]
-    generator = torch.Generator(device=weight.device).manual_seed(0)
-    x = torch.randn(PROBE_TOKENS, weight.shape[2], generator=generator, device=weight.device).to(weight.dtype)
-    scores = torch.rand(PROBE_TOKENS, num_experts, generator=generator, device=weight.device)
-    weights, expert_ids = scores.topk(min(2, num_experts), dim=-1)
-    weights = (weights / weights.sum(-1, keepdim=True)).to(weight.dtype)
+    x, expert_ids, weights = random_routing(PROBE_TOKENS, weight.shape[2], num_experts, min(2, num_experts),
+                                            weight.device, weight.dtype, seed=0)
     grouped = experts._grouped(x, expert_ids, weights).float()
     loop = experts._loop(x, expert_ids, weights).float()
     largest = loop.abs().max().item()
