@@ -70,15 +70,17 @@ bench: install protos
 # line; on a machine without CUDA it says so and fails. `--dry-run` runs its steps at tiny shapes on the CPU.
 # A GPU machine that cannot reach a package registry but whose python3 has what the check needs (PyTorch, Triton,
 # transformers, safetensors, tokenizers: the lent device machines) runs it there, with the source roots on its
-# path and nothing installed; anywhere else it runs in the project venv.
+# path and nothing installed; anywhere else it runs in the project venv. GPU_CHECK_ARGS go to the script: on a lent
+# device, `make gpu-check GPU_CHECK_ARGS="--report $OUT/gpu-check.json"` keeps the report as it grows.
+GPU_CHECK_ARGS ?=
 GPU_CHECK_NEEDS := import torch, triton, transformers, safetensors, tokenizers
 .PHONY: gpu-check
 gpu-check:
 	@if [ ! -x $(PY) ] && python3 -c '$(GPU_CHECK_NEEDS)' 2>/dev/null; then \
 		echo "gpu-check: no $(VENV); running on $$(command -v python3), which has what the check needs"; \
-		PYTHONPATH=$(SOURCE_ROOTS) python3 loadtest/gpu_check.py; \
+		PYTHONPATH=$(SOURCE_ROOTS) python3 loadtest/gpu_check.py $(GPU_CHECK_ARGS); \
 	else \
-		$(MAKE) --no-print-directory install protos && $(PY) loadtest/gpu_check.py; \
+		$(MAKE) --no-print-directory install protos && $(PY) loadtest/gpu_check.py $(GPU_CHECK_ARGS); \
 	fi
 
 # The default model (libs/flotilla/models/catalog.py): SmolLM2-135M-Instruct as a GGUF inside a PyPI wheel,

@@ -7,17 +7,23 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from loadtest import gpu_check
+from loadtest.common.timed_sections import TimedSections
 
 
 def test_dry_run_reports_every_figure(tmp_path, capsys):
-    assert gpu_check.main(["--dry-run", "--work-dir", str(tmp_path)]) == 0
+    work_dir = tmp_path / "work"
+    work_dir.mkdir()
+    assert gpu_check.main(["--dry-run", "--work-dir", str(work_dir), "--report", str(tmp_path / "report.json")]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report == json.loads((tmp_path / "report.json").read_text()) and report["finished"]
+    assert "out_of_time" not in report and set(report["section_seconds"]) >= {"exactness", "engine", "swap_streams"}
     exact = report["exactness"]
     assert exact["fp32_greedy_equal"] is True and exact["fp32_agreement"] == 1.0
     assert exact["distinct_reference_tokens"] > 2  # the prompts' continuations differ: the comparison means something
@@ -31,7 +37,7 @@ def test_dry_run_reports_every_figure(tmp_path, capsys):
     assert all(value > 0 for value in performance["engine"]["beside_a_grammar"].values())
     assert set(report["targets"]) >= {"decode_vs_memory_floor", "prefill_share_of_compute_floor",
                                       "batch_speedup_vs_transformers"}
-    assert list(tmp_path.iterdir()) == []  # the random checkpoints are removed
+    assert list(work_dir.iterdir()) == []  # the random checkpoints are removed
     split = report["split_decode"]  # tests/conftest.py sets TRITON_INTERPRET=1: the split kernel runs
     assert split["max_abs_error_float32_forced"] < 1e-4 and split["max_abs_error_float32_window_forced"] < 1e-4
     assert split["batch1_ms_unsplit"] > 0 and split["batch1_ms_split"] > 0
@@ -80,12 +86,66 @@ def test_make_runs_it_on_a_python3_that_has_its_packages_without_installing(tmp_
     assert not (tmp_path / "no-venv").exists()  # nothing was installed
 
 
-def test_a_failing_section_is_reported_and_the_rest_runs(capsys):
+def test_a_failing_part_is_reported_and_the_rest_runs(capsys):
     report: dict = {}
 
     def broken():
         raise RuntimeError("triton compile failed")
 
-    assert gpu_check._section(report, "kernel", broken) == {"error": "RuntimeError: triton compile failed"}
-    assert gpu_check._section(report, "exactness", lambda: {"ok": True}) == {"ok": True}
+    with TimedSections(report, budget_s=60) as parts:
+        assert parts.run("kernel", broken) == {"error": "RuntimeError: triton compile failed"}
+        assert parts.run("exactness", lambda: {"ok": True}) == {"ok": True}
     assert "Traceback" in capsys.readouterr().err
+    assert set(report["section_seconds"]) == {"kernel", "exactness"}
+
+
+def test_a_part_past_the_budget_is_stopped_and_the_later_ones_skipped(tmp_path):
+    """The alarm stops a part even inside code that catches every Exception (as the engine's loops do), and the
+    report on disk holds every part as it was recorded."""
+    report: dict = {}
+    report_path = tmp_path / "report.json"
+    freed = []
+
+    def swallows_exceptions():
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                time.sleep(0.01)
+            except Exception:  # noqa: BLE001 - what the alarm must get through
+                pass
+        return {"never": "reached"}
+
+    began = time.monotonic()
+    with TimedSections(report, budget_s=0.5, report_path=report_path, on_failure=lambda: freed.append(1)) as parts:
+        assert parts.run("quick", lambda: {"ok": True}) == {"ok": True}
+        assert "out_of_time" in parts.run("slow", swallows_exceptions)
+        assert "skipped" in parts.run("after", lambda: {"ok": True})
+    assert time.monotonic() - began < 10
+    assert freed == [1]
+    assert json.loads(report_path.read_text()) == report
+    assert report["quick"] == {"ok": True} and "after" not in report["section_seconds"]
+
+
+def test_the_budget_spent_between_parts_skips_the_next_one(tmp_path):
+    """Between parts (a checkpoint written or removed) the alarm stops nothing: the next part is skipped."""
+    report: dict = {}
+    with TimedSections(report, budget_s=0.2, report_path=tmp_path / "report.json") as parts:
+        parts.run("quick", lambda: {"ok": True})
+        time.sleep(1)  # the alarm lands here, outside any part, and this sleep runs to its end
+        assert "skipped" in parts.run("next", lambda: {"ok": True})
+    assert "out_of_time" not in report
+    assert json.loads((tmp_path / "report.json").read_text()) == report
+
+
+def test_a_dry_run_out_of_budget_still_prints_its_report(tmp_path, capsys):
+    """The real script, stopped by its budget partway: it still exits 0 with one JSON line, the parts it finished
+    in it, the one it stopped marked so and the rest skipped."""
+    report_path = tmp_path / "report.json"
+    assert gpu_check.main(["--dry-run", "--budget-s", "2", "--work-dir", str(tmp_path), "--report",
+                           str(report_path)]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report == json.loads(report_path.read_text()) and report["finished"]
+    parts = {**report, **report["performance"]}
+    stopped = [name for name in report["section_seconds"] if "out_of_time" in parts[name]]
+    assert len(stopped) <= 1  # the alarm stops the part running, or lands between two and stops none
+    assert "skipped" in report["swap_streams"]  # the last part
