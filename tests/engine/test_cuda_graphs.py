@@ -99,3 +99,24 @@ def test_fp8_kv_cache_on_the_torch_path(tiny_checkpoint):
     assert engine.runner.kv_caches[0].dtype == torch.float8_e4m3fn and not engine.runner.use_decode_kernel
     [result] = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert len(result.token_ids) == 3
+
+
+def test_a_failed_capture_stops_start_up_naming_the_way_around_it(tiny_checkpoint, monkeypatch):
+    """A capture that fails (an op that synchronises inside it, the graph pool out of memory) is not papered over
+    with eager steps on a half-captured pool: start-up stops, saying which size failed and the flag to use."""
+    pytest.importorskip("triton")
+    from flotilla.engine import cuda_graphs
+
+    build = cuda_graphs.DecodeGraphs._build
+
+    def capture_fails_at_four(graphs, size):
+        if size == 4:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return build(graphs, size)
+
+    monkeypatch.setattr(LLMEngine, "_graph_sizes", lambda self, model: [1, 4, 8])
+    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "_build", capture_fails_at_four)
+    config = EngineConfig(model_dir=str(tiny_checkpoint), device="cpu", num_kv_blocks=32, block_size=4,
+                          max_model_len=64, attention_backend="triton")
+    with pytest.raises(cuda_graphs.GraphCaptureError, match="batch size 4 failed .*not permitted.*--no-cuda-graphs"):
+        LLMEngine(config)

@@ -84,6 +84,10 @@ def graphs_apply(model) -> bool:
     return all(rope.long_after is None and rope.dynamic_after is None for rope in model.model.rotary_embeddings())
 
 
+class GraphCaptureError(RuntimeError):
+    """A decode graph could not be built at start-up; the message names the flag that turns graphs off."""
+
+
 class _Static(NamedTuple):
     inputs: dict[str, torch.Tensor]  # device buffers, one per padded_inputs key
     meta: AttentionMetadata
@@ -103,7 +107,15 @@ class DecodeGraphs:
         self._static: dict[int, _Static] = {}
         used_before = torch.cuda.memory_reserved(device) if self.capture else 0
         for size in sorted(sizes):
-            self._static[size] = self._build(size)
+            try:
+                self._static[size] = self._build(size)
+            except Exception as error:
+                # Not retried eagerly: a capture that broke halfway can leave the stream and the graph pool in a
+                # state no later step should trust. The worker stops with the way around it.
+                raise GraphCaptureError(
+                    f"capturing the decode CUDA graph for batch size {size} failed ({type(error).__name__}: {error}); "
+                    "start the worker with --no-cuda-graphs (EngineConfig.cuda_graphs=False) to run decode steps "
+                    "eagerly") from error
             used = torch.cuda.memory_reserved(device) - used_before if self.capture else 0
             if used > memory_budget:
                 log.info("CUDA graphs: captured batch sizes up to %d (%d MiB, budget %d MiB)", size, used >> 20,
