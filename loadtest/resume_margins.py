@@ -16,9 +16,10 @@ closest draw lies farthest out. Then every stream is resumed at each of --resume
 the shifts of its draws against the reference's, and which resumed streams came out different (flips).
 The prompts are the fault tests' (random.Random(prompt seed), 4-15 token ids each). Ends with one JSON line.
 
-    python loadtest/resume_margins.py --top-k 8 --seed-base 23000      # tests/fleet/faults/test_worker_failure.py
+    python loadtest/resume_margins.py --top-k 8 --seed-base 44000      # tests/fleet/faults/test_worker_failure.py
     python loadtest/resume_margins.py --greedy                         # its greedy streams
-    python loadtest/resume_margins.py --seed-base 10000 --resume-points 4
+    python loadtest/resume_margins.py --prompt-seed 6 --seed-base 10000 --resume-points 4    # its flake (6: its
+                                                                       # prompts until 2026-12-07)
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ from flotilla.models import write_checkpoint
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, help="checkpoint directory (default: the tests' tiny checkpoint, seed 0)")
-    p.add_argument("--prompt-seed", type=int, default=6, help="random.Random seed of the prompts (the test's)")
+    p.add_argument("--prompt-seed", type=int, default=10, help="random.Random seed of the prompts (default: "
+                                                               "test_worker_failure.py's)")
     p.add_argument("--num-streams", type=int, default=64)
     p.add_argument("--prompt-text", nargs="+", help="these prompts (tokenized by the model's tokenizer) instead")
     p.add_argument("--stride", type=int, default=2, help="measure streams 0, stride, 2 stride... (1, 1 + stride... "

@@ -25,14 +25,14 @@ MAX_TOKENS = 24
 # tokens that reach it together into one event, so "N events" can come late in a stream, or after the
 # victim's streams have all finished.
 STOP_AFTER_EVENTS = 2
-# Seeded streams use SEED_BASE + i and top-k 8. A resumed stream's tokens come from a re-prefill, whose float32
-# logits differ from the decode steps' by up to ~1e-4 on the tiny checkpoint; that moves a draw's CDF boundaries
-# by up to ~2e-5. Over the whole vocabulary a draw's interval is ~1e-4 wide: with base 10000 one draw (stream 16,
-# token 22) lay 1.2e-6 from a boundary and flipped when its stream resumed before it. Top-k 8 makes the intervals
-# wide; with this base the closest of the 768 seeded draws is 4.8e-4 from a boundary, 21x the largest shift over
-# 8,832 resumed draws (loadtest/resume_margins.py; docs/performance.md, "when a stream resumes"). The greedy
-# streams' closest top-two gap is 3.4x the largest change a resume made to one.
-SEED_BASE = 23_000
+# A resumed stream's tokens come from a re-prefill, whose float32 logits differ from the decode steps' by up to ~1e-4
+# on the tiny checkpoint: a token that close to the edge of its choice comes out differently after a failover
+# (loadtest/resume_margins.py; docs/performance.md, "when a stream resumes"). With the prompts of seed 6 and seeds
+# 10000 + i over the whole vocabulary one draw (stream 16, token 22) lay 1.2e-6 from a boundary and flipped. So the
+# prompts, the seed base and top-k 8 (wide CDF intervals) are chosen for margin. Over 8,832 resumed draws each:
+# the closest of the 768 seeded draws is 26x the largest shift a resume made, the closest greedy top-two gap 39x.
+PROMPT_SEED = 10
+SEED_BASE = 44_000
 SEEDED_TOP_K = 8
 
 
@@ -48,7 +48,7 @@ def fault_fleet(tiny_checkpoint, tmp_path_factory, redis_server):
 
 
 def _prompts() -> list[list[int]]:
-    rng = random.Random(6)
+    rng = random.Random(PROMPT_SEED)
     # Under one KV block (16 tokens): no prefix-cache affinity, so placement spreads streams by load alone.
     return [[rng.randrange(3, 250) for _ in range(rng.randrange(4, 16))] for _ in range(NUM_STREAMS)]
 
