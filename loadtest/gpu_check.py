@@ -7,6 +7,8 @@ in this order (the issue's targets first):
   transformers' bf16 (and transformers' bf16 with its own fp32, for scale); an fp8 KV cache, with calibrated and
   with unit scales, against the bf16 one (greedy agreement, largest logprob error of the tokens both chose); swap
   preemption to pinned host memory against a run without preemption;
+- host synchronisation on the 1B: engine steps (decode, and prefills beside decodes; from CUDA graphs and eagerly)
+  under torch's sync debug mode "error", and where the first sync is if one is (loadtest/common/gpu_host_syncs.py);
 - on the 8B: decode ms/token at batch 1 against the memory floor (weight bytes read per step / measured copy
   bandwidth), batched decode and prefill tok/s against the compute floor (2 FLOPs per parameter per token at the
   measured bf16 matmul rate), decode with overlap scheduling off and beside a JSON-mode request, and transformers'
@@ -47,6 +49,7 @@ import torch
 
 from loadtest.common.device_floors import matmul_tflops, memory_bandwidth_gb_s
 from loadtest.common.gpu_exactness import exactness, kernel_check
+from loadtest.common.gpu_host_syncs import host_sync_check
 from loadtest.common.greedy_compare import agreement
 from loadtest.common.gpu_runs import DRY, FULL, free
 from loadtest.common.timed_sections import TimedSections
@@ -95,6 +98,7 @@ def run(args: argparse.Namespace) -> dict:
             parts.run("kernel", lambda: kernel_check(device))
         checkpoints = _Checkpoints(Path(tmp), device, args.seed)
         parts.run("exactness", lambda: exactness(checkpoints.get(plan.exact_size), device, plan, args.seed))
+        parts.run("host_syncs", lambda: host_sync_check(checkpoints.get(plan.exact_size), device, plan, args.seed))
         report["performance"] = performance = {"model": plan.perf_size, "batch": plan.batch}
         measured = report["measured"]
         if "copy_bandwidth_gb_s" in measured:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from loadtest import gpu_check
+from loadtest.common import gpu_host_syncs
 from loadtest.common.timed_sections import TimedSections
 
 
@@ -31,6 +32,11 @@ def test_dry_run_reports_every_figure(tmp_path, capsys):
         assert 0.0 <= exact[f"fp8_kv{scales}_agreement_with_bf16_kv"] <= 1.0
         assert exact[f"fp8_kv{scales}_max_logprob_error"] >= 0.0
     assert exact["swap_agreement_with_fp32"] == 1.0 and exact["swap_preemptions"] > 0
+    syncs = report["host_syncs"]  # on a CPU the steps run without the debug mode (it needs CUDA)
+    assert syncs["checked"] is False and syncs["graphs_overlap"] and syncs["eager_overlap"]
+    for way in ("graphs", "eager"):
+        assert syncs[way] == {"decode_steps": {"steps": 12, "host_sync": "none"},
+                              "steps_with_prefills": {"steps": 6, "host_sync": "none"}}
     performance = report["performance"]
     for side in ("engine", "transformers"):
         assert all(value > 0 for key, value in performance[side].items() if key.endswith(("_s", "_batch1")))
@@ -149,3 +155,22 @@ def test_a_dry_run_out_of_budget_still_prints_its_report(tmp_path, capsys):
     stopped = [name for name in report["section_seconds"] if "out_of_time" in parts[name]]
     assert len(stopped) <= 1  # the alarm stops the part running, or lands between two and stops none
     assert "skipped" in report["swap_streams"]  # the last part
+
+
+def test_a_host_sync_is_reported_with_its_place_and_other_errors_are_not_taken_for_one():
+    class Engine:
+        def __init__(self, error_at: int, message: str):
+            self.calls, self.error_at, self.message = 0, error_at, message
+
+        def step(self):
+            self.calls += 1
+            if self.calls == self.error_at:
+                raise RuntimeError(self.message)
+
+    syncing = Engine(3, "called a synchronizing CUDA operation")
+    report = gpu_host_syncs._checked(syncing, torch.device("cpu"), steps=5)
+    assert report["steps"] == 2 and report["host_sync"].startswith("called a synchronizing CUDA operation at ")
+    assert "step" in report["host_sync"]  # the frame that raised
+    assert gpu_host_syncs._checked(Engine(9, ""), torch.device("cpu"), steps=5) == {"steps": 5, "host_sync": "none"}
+    with pytest.raises(RuntimeError, match="out of memory"):
+        gpu_host_syncs._checked(Engine(1, "CUDA out of memory"), torch.device("cpu"), steps=5)
