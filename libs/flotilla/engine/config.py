@@ -28,9 +28,11 @@ class EngineConfig:
     device: str = "auto"  # "auto": cuda when present, else cpu
     dtype: str = "auto"  # "auto": float32 on cpu (no bf16 units here), the checkpoint's 16-bit type on cuda
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; or float8_e4m3fn / float8_e5m2 (half the KV bytes)
-    # An fp8 cache's per-layer K/V scales: "calibrate" (measured by a pass over a fixed text at start-up,
-    # model/kv_scales.py) or "unit" (1.0: values past the format's range saturate). Other caches ignore it.
-    kv_cache_scales: str = "calibrate"
+    # An fp8 cache's per-layer K/V scales: "auto" (the checkpoint's k_scale/v_scale tensors when it has them, else
+    # calibrated), "checkpoint" (its tensors, or start-up fails), "calibrate" (measured by a pass over a fixed text
+    # at start-up, model/kv_scales.py) or "unit" (1.0: values past the format's range saturate). Other caches
+    # ignore it.
+    kv_cache_scales: str = "auto"
     attention_backend: str = "auto"  # "auto": triton on cuda, torch (SDPA + the C decode kernel) on cpu
     # "auto": float32 linears on a cpu through the engine's own matmul with packed weights ("panel",
     # model/panel_gemm.py), else oneDNN's ("onednn"), F.linear elsewhere ("torch"; model/cpu_linear.py)
@@ -92,7 +94,7 @@ class EngineConfig:
 
 
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
-KV_CACHE_SCALES = ("calibrate", "unit")
+KV_CACHE_SCALES = ("auto", "checkpoint", "calibrate", "unit")
 KV_CACHE_DTYPES = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
     "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,

@@ -27,7 +27,7 @@ from flotilla.engine.kv_calibration import calibrate_kv_scales
 from flotilla.engine.model import cpu_linear, kv_scales
 from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.model.kv_cache import num_blocks_for_budget
-from flotilla.engine.model.loader import load_model
+from flotilla.engine.model.loader import checkpoint_kv_scale_tensors, load_model
 from flotilla.engine.model.moe import settle_experts_way
 from flotilla.engine.model.rope import prompt_length_key
 from flotilla.engine.model_runner import DeferredSampling, ModelRunner, PendingStep
@@ -119,9 +119,21 @@ class LLMEngine:
         self._num_output_tokens_total = 0
 
     def _kv_scales(self, model) -> list[kv_scales.KVScales]:
-        """An fp8 cache's scales, calibrated before the runner captures CUDA graphs (which hold them as constants)."""
-        if not kv_scales.needs_scales(self.kv_cache_dtype) or self.config.kv_cache_scales == "unit":
+        """An fp8 cache's scales, the checkpoint's or calibrated, set before the runner captures CUDA graphs (which
+        hold them as constants)."""
+        mode = self.config.kv_cache_scales
+        if not kv_scales.needs_scales(self.kv_cache_dtype) or mode == "unit":
             return [kv_scales.UNIT] * self.model_config.num_layers
+        if mode in ("auto", "checkpoint"):
+            stored = kv_scales.checkpoint_scales(checkpoint_kv_scale_tensors(self.config.model_dir),
+                                                 self.model_config.num_layers)
+            if stored is not None:
+                for layer, layer_scales in zip(model.model.layers, stored):
+                    layer.self_attn.kv_scales = layer_scales
+                return stored
+            if mode == "checkpoint":
+                raise ValueError(f"kv_cache_scales 'checkpoint': {self.config.model_dir} has no KV-cache scale "
+                                 "tensors (self_attn.k_scale / v_scale); use 'calibrate' to measure them")
         token_ids = self.tokenizer.encode(kv_scales.CALIBRATION_TEXT)[: self.max_model_len]
         return calibrate_kv_scales(model, token_ids, self.dtype, self.kv_cache_dtype, self.block_size, self.device)
 

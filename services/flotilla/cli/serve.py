@@ -29,9 +29,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="auto: float32 on cpu, bfloat16 (float16 for a float16 checkpoint) on cuda")
     worker.add_argument("--kv-cache-dtype", default="auto",
                         help="auto: the model's dtype; float8_e4m3fn or float8_e5m2 halve the KV bytes")
-    worker.add_argument("--kv-cache-scales", choices=("calibrate", "unit"), default="calibrate",
-                        help="an fp8 cache's per-layer K/V scales: calibrate (measured at start-up over a fixed "
-                             "text) or unit (1.0: values past the format's range saturate)")
+    worker.add_argument("--kv-cache-scales", choices=("auto", "checkpoint", "calibrate", "unit"), default="auto",
+                        help="an fp8 cache's per-layer K/V scales: auto (the checkpoint's k_scale/v_scale "
+                             "tensors if it has them, else calibrate), checkpoint (its tensors or fail), calibrate "
+                             "(measured at start-up over a fixed text) or unit (1.0: values past the format's range "
+                             "saturate)")
     worker.add_argument("--attention-backend", choices=("auto", "triton", "torch"), default="auto",
                         help="auto: the Triton kernels on cuda, the torch path (and C decode kernel) on cpu")
     worker.add_argument("--cpu-linear-backend", choices=("auto", "panel", "onednn", "torch"), default="auto",

@@ -1,10 +1,14 @@
-"""Scale factors of an fp8 KV cache, one for K and one for V per layer, calibrated at start-up.
+"""Scale factors of an fp8 KV cache, one for K and one for V per layer: a checkpoint's own, or calibrated at start-up.
 
 A cached value is stored as (value / scale) in fp8 and read back as stored * scale. e4m3 saturates at ±448, and
 below 2**-6 it keeps fewer than its 3 mantissa bits, so a scale matters for a model whose keys or values pass
 ±448 (the cache would clip them) or mostly sit far below 1.
 
-The scales are measured rather than read from the checkpoint: one forward pass over a fixed text
+A checkpoint quantized for an fp8 cache (llm-compressor's kv_cache_scheme, AutoFP8) carries them as tensors per
+layer: `self_attn.k_scale` and `v_scale` (and the older `k_proj.output_scale` / `v_proj.output_scale`, or one
+`kv_scale` for both), in the same sense (stored = value / scale). Those are used when present (checkpoint_scales);
+a scale per KV head is taken at its largest over the heads, which clips none of them. Otherwise the scales are
+measured: one forward pass over a fixed text
 (CALIBRATION_TEXT) with a cache in the model's own dtype records each layer's largest |K| and |V|. A scale is
 the power of two that brings that largest value to at most 1/HEADROOM of the format's maximum, so traffic
 that runs past the calibration text's range by up to HEADROOM still fits. Powers of two multiply exactly, and
@@ -18,7 +22,8 @@ scale multiplies the attention output (attention.paged_attention).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -89,6 +94,39 @@ class RangeRecorder:
 
     def scales(self, kv_dtype: torch.dtype) -> list[KVScales]:
         return [KVScales(scale_for(k, kv_dtype), scale_for(v, kv_dtype)) for k, v in self.largest]
+
+
+# A checkpoint's KV-cache scale tensors: (layer, kind). q_scale and prob_scale (an fp8 attention computation's)
+# match too, and are read as nothing: attention here computes in the model's dtype.
+CHECKPOINT_SCALE_NAME = re.compile(
+    r"^model\.layers\.(\d+)\.self_attn\.(k_scale|v_scale|kv_scale|q_scale|prob_scale|k_proj\.output_scale"
+    r"|v_proj\.output_scale)$"
+)
+_KINDS = {"k_scale": "k", "k_proj.output_scale": "k", "v_scale": "v", "v_proj.output_scale": "v", "kv_scale": "kv"}
+
+
+def checkpoint_scales(tensors: Mapping[str, torch.Tensor], num_layers: int) -> list[KVScales] | None:
+    """Per-layer scales from a checkpoint's scale tensors (names matching CHECKPOINT_SCALE_NAME); None when it has
+    no K/V scale. Raises ValueError when some layer lacks one, or one is not a positive finite number."""
+    found: dict[tuple[int, str], float] = {}
+    for name, tensor in tensors.items():
+        layer, kind = CHECKPOINT_SCALE_NAME.match(name).groups()
+        kind = _KINDS.get(kind)
+        if kind is None:
+            continue
+        value = float(tensor.float().max()) if tensor.numel() else float("nan")  # a scale per KV head: the largest
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"checkpoint KV-cache scale {name} is {value}: it must be a positive finite number")
+        for part in ("k", "v") if kind == "kv" else (kind,):
+            found[int(layer), part] = value
+    if not found:
+        return None
+    lacking = [f"layer {layer} {part}_scale" for layer in range(num_layers) for part in ("k", "v")
+               if (layer, part) not in found]
+    if lacking:
+        raise ValueError(f"the checkpoint's KV-cache scales lack {', '.join(lacking[:4])}"
+                         f"{' ...' if len(lacking) > 4 else ''} ({len(found)} of {2 * num_layers} given)")
+    return [KVScales(found[layer, "k"], found[layer, "v"]) for layer in range(num_layers)]
 
 
 def describe(kv_dtype: torch.dtype, scales: Sequence[KVScales]) -> str:

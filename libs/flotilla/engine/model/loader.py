@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.model.gemma import GemmaForCausalLM
+from flotilla.engine.model.kv_scales import CHECKPOINT_SCALE_NAME
 from flotilla.engine.model.llama import LlamaForCausalLM
 
 # Checkpoint tensors that carry nothing the model needs (old checkpoints saved rope buffers).
@@ -72,6 +73,15 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
     return model.eval().requires_grad_(False)
 
 
+def checkpoint_kv_scale_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's KV-cache scale tensors (kv_scales.CHECKPOINT_SCALE_NAME) by name; {} if it has none."""
+    tensors = {}
+    for path in _safetensors_files(Path(model_dir)):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            tensors.update({name: f.get_tensor(name) for name in f.keys() if CHECKPOINT_SCALE_NAME.match(name)})
+    return tensors
+
+
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
     """The module for the config's architecture (Gemma's names its tensors as Llama's do, plus four norms)."""
     return GemmaForCausalLM if config.is_gemma else LlamaForCausalLM
@@ -108,8 +118,8 @@ def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, 
 
 def _target(name: str, config: ModelConfig, tie: bool) -> Target | None:
     """The parameter rows a checkpoint tensor fills; None for tensors deliberately skipped."""
-    if _IGNORED.match(name) or (tie and name == "lm_head.weight"):
-        return None
+    if _IGNORED.match(name) or (tie and name == "lm_head.weight") or CHECKPOINT_SCALE_NAME.match(name):
+        return None  # KV-cache scales are read apart (checkpoint_kv_scale_tensors), and only for an fp8 cache
     expert = _EXPERT_NAME.match(name)
     if expert is not None:
         prefix, index, kind = expert.groups()
