@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 import flotilla.models
@@ -32,6 +33,13 @@ def broken(tmp_path, tiny_checkpoint):
         if kind == "architecture":
             config = json.loads((directory / "config.json").read_text())
             (directory / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+        elif kind == "kv scale":  # an fp8 cache's scales, one of them zero
+            tensors = load_file(directory / "model.safetensors")
+            num_layers = json.loads((directory / "config.json").read_text())["num_hidden_layers"]
+            scales = {f"model.layers.{layer}.self_attn.{part}_scale": torch.tensor(0.5)
+                      for layer in range(num_layers) for part in ("k", "v")}
+            scales["model.layers.1.self_attn.k_scale"] = torch.tensor(0.0)
+            save_file({**tensors, **scales}, directory / "model.safetensors")
         else:
             tensors = load_file(directory / "model.safetensors")
             del tensors["model.layers.0.mlp.down_proj.weight"]
@@ -46,6 +54,7 @@ def broken(tmp_path, tiny_checkpoint):
     [
         ("architecture", "GPT2LMHeadModel: unsupported architecture ['GPT2LMHeadModel']; supported: LlamaForCausalLM"),
         ("tensor", "LlamaForCausalLM: checkpoint lacks tensors for model.layers.0.mlp.down_proj.weight"),
+        ("kv scale", "LlamaForCausalLM: checkpoint KV-cache scale model.layers.1.self_attn.k_scale is 0.0"),
     ],
 )
 @pytest.mark.parametrize("command", ["up", "worker"])
@@ -66,3 +75,17 @@ def test_a_negative_onednn_cache_capacity_fails_in_one_line(tiny_checkpoint, tmp
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1] == ("flotilla worker: --onednn-primitive-cache-capacity must be >= 0 (0: oneDNN's "
                                      "default), got -1")
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--kv-cache-dtype", "bogus"], "flotilla worker: kv_cache_dtype must be auto or one of"),
+        (["--kv-cache-dtype", "float8_e4m3fn", "--kv-cache-scales", "checkpoint"],
+         "flotilla worker: --kv-cache-scales checkpoint: {model_dir} has no KV-cache scale tensors"),
+    ],
+)
+def test_engine_settings_it_would_refuse_fail_in_one_line(tiny_checkpoint, tmp_path, flags, expected):
+    result = run_cli("worker", "--model-dir", tiny_checkpoint, "--insecure-internal", *flags, cwd=tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(expected.format(model_dir=tiny_checkpoint))

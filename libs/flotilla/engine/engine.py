@@ -27,7 +27,7 @@ from flotilla.engine.kv_calibration import calibrate_kv_scales
 from flotilla.engine.model import cpu_linear, kv_scales
 from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.model.kv_cache import num_blocks_for_budget
-from flotilla.engine.model.loader import checkpoint_kv_scale_tensors, load_model
+from flotilla.engine.model.loader import checkpoint_kv_scales, load_model
 from flotilla.engine.model.moe import settle_experts_way
 from flotilla.engine.model.rope import prompt_length_key
 from flotilla.engine.model_runner import DeferredSampling, ModelRunner, PendingStep
@@ -125,8 +125,7 @@ class LLMEngine:
         if not kv_scales.needs_scales(self.kv_cache_dtype) or mode == "unit":
             return [kv_scales.UNIT] * self.model_config.num_layers
         if mode in ("auto", "checkpoint"):
-            stored = kv_scales.checkpoint_scales(checkpoint_kv_scale_tensors(self.config.model_dir),
-                                                 self.model_config.num_layers)
+            stored = checkpoint_kv_scales(self.config.model_dir, self.model_config.num_layers)
             if stored is not None:
                 for layer, layer_scales in zip(model.model.layers, stored):
                     layer.self_attn.kv_scales = layer_scales

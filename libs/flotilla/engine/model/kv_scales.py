@@ -116,7 +116,7 @@ def checkpoint_scales(tensors: Mapping[str, torch.Tensor], num_layers: int) -> l
             continue
         value = float(tensor.float().max()) if tensor.numel() else float("nan")  # a scale per KV head: the largest
         if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"checkpoint KV-cache scale {name} is {value}: it must be a positive finite number")
+            raise ValueError(f"KV-cache scale {name} is {value}: it must be a positive finite number")
         for part in ("k", "v") if kind == "kv" else (kind,):
             found[int(layer), part] = value
     if not found:
@@ -124,7 +124,7 @@ def checkpoint_scales(tensors: Mapping[str, torch.Tensor], num_layers: int) -> l
     lacking = [f"layer {layer} {part}_scale" for layer in range(num_layers) for part in ("k", "v")
                if (layer, part) not in found]
     if lacking:
-        raise ValueError(f"the checkpoint's KV-cache scales lack {', '.join(lacking[:4])}"
+        raise ValueError(f"KV-cache scales lack {', '.join(lacking[:4])}"
                          f"{' ...' if len(lacking) > 4 else ''} ({len(found)} of {2 * num_layers} given)")
     return [KVScales(found[layer, "k"], found[layer, "v"]) for layer in range(num_layers)]
 

@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.model.gemma import GemmaForCausalLM
-from flotilla.engine.model.kv_scales import CHECKPOINT_SCALE_NAME
+from flotilla.engine.model.kv_scales import CHECKPOINT_SCALE_NAME, KVScales, checkpoint_scales
 from flotilla.engine.model.llama import LlamaForCausalLM
 
 # Checkpoint tensors that carry nothing the model needs (old checkpoints saved rope buffers).
@@ -80,6 +80,11 @@ def checkpoint_kv_scale_tensors(model_dir: str | Path) -> dict[str, torch.Tensor
         with safe_open(str(path), framework="pt", device="cpu") as f:
             tensors.update({name: f.get_tensor(name) for name in f.keys() if CHECKPOINT_SCALE_NAME.match(name)})
     return tensors
+
+
+def checkpoint_kv_scales(model_dir: str | Path, num_layers: int) -> list[KVScales] | None:
+    """The checkpoint's own fp8-cache scales per layer; None if it has none (ValueError if they are broken)."""
+    return checkpoint_scales(checkpoint_kv_scale_tensors(model_dir), num_layers)
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
@@ -205,6 +210,11 @@ def check_checkpoint(model_dir: str | Path) -> ModelConfig:
     missing = sorted({target.name for target in expected - set(targets.values())})
     problems = [f"lacks tensors for {_few(missing)}"] if missing else []
     problems += [f"has tensors it cannot place: {_few(unexpected)}"] if unexpected else []
+    if any(CHECKPOINT_SCALE_NAME.match(name) for name in names):
+        try:
+            checkpoint_kv_scales(model_dir, config.num_layers)
+        except ValueError as error:
+            problems.append(str(error))
     if problems:
         raise ValueError(f"{model_dir}: {config.architecture}: checkpoint {'; '.join(problems)}")
     return config
