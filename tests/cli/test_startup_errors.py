@@ -89,3 +89,15 @@ def test_engine_settings_it_would_refuse_fail_in_one_line(tiny_checkpoint, tmp_p
     result = run_cli("worker", "--model-dir", tiny_checkpoint, "--insecure-internal", *flags, cwd=tmp_path)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith(expected.format(model_dir=tiny_checkpoint))
+
+
+@pytest.mark.parametrize("engine_process", [False, True])
+def test_an_engine_that_refuses_after_loading_fails_in_one_line(tiny_checkpoint, tmp_path, engine_process):
+    """Refusals only the engine can make once the model is loaded (here a KV budget smaller than one block; on a
+    GPU an fp8 cache without fp8, a failed graph capture) end in one line too, whether the engine runs in the
+    worker's process or its own."""
+    flags = ["--engine-process"] if engine_process else []
+    result = run_cli("worker", "--model-dir", tiny_checkpoint, "--insecure-internal", "--kv-cache-memory-bytes", "100",
+                     *flags, cwd=tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("flotilla worker: a KV budget of 100 bytes holds no block")

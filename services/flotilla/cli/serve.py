@@ -190,7 +190,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 def run_worker(args: argparse.Namespace) -> int:
     from flotilla.engine.config import EngineConfig, resolve_target_tpot_s
     from flotilla.worker.config import WorkerConfig
-    from flotilla.worker.server import serve
+    from flotilla.worker.server import EngineStartError, serve
     from flotilla.worker.kv_settings import DisaggSettings
 
     from flotilla.cli.up import check_model
@@ -273,7 +273,10 @@ def run_worker(args: argparse.Namespace) -> int:
 
         run_service(serve_shared(config))
     else:
-        run_service(serve(config))
+        try:
+            run_service(serve(config))
+        except EngineStartError as err:
+            raise SystemExit(f"flotilla worker: {err}") from None
     return 0
 
 

@@ -10,6 +10,7 @@ from flotilla.api.common.v1 import common_pb2 as pb
 from flotilla.api.router.v1 import router_pb2 as rpb
 from flotilla.api.worker.v1 import worker_pb2_grpc
 from flotilla.engine.async_engine import AsyncEngine
+from flotilla.engine.cuda_graphs import GraphCaptureError
 from flotilla.engine.engine import LLMEngine
 from flotilla.engine.process_engine import ProcessEngine
 from flotilla.observability.exposition import serve_metrics
@@ -28,6 +29,12 @@ from flotilla.worker.telemetry import WorkerMetrics
 logger = logging.getLogger(__name__)
 
 
+class EngineStartError(RuntimeError):
+    """The engine refused its settings or checkpoint while starting (after the model loaded: a KV budget that holds
+    no block, an fp8 cache on a GPU without fp8, a failed graph capture...). `flotilla worker` prints it in one
+    line; the traceback is logged at debug level."""
+
+
 async def serve(
     config: WorkerConfig,
     stop: asyncio.Event | None = None,
@@ -38,7 +45,11 @@ async def serve(
         stop = asyncio.Event()
         stop_on_signals(stop)
     engine = _engine(config, engine_factory)
-    await engine.start()
+    try:
+        await engine.start()
+    except (ValueError, GraphCaptureError) as error:  # the engine's own refusals; anything else keeps its traceback
+        logger.debug("engine start-up failed", exc_info=True)
+        raise EngineStartError(str(error)) from error
     worker_id = config.resolved_worker_id()
     # What gateways need to serve the model (tokenizer, templates): published through the router.
     tokenizer_files = read_tokenizer_files(engine.engine.config.model_dir)
