@@ -82,10 +82,11 @@ def test_a_negative_onednn_cache_capacity_fails_in_one_line(tiny_checkpoint, tmp
     [
         (["--kv-cache-dtype", "bogus"], "flotilla worker: kv_cache_dtype must be auto or one of"),
         (["--kv-cache-dtype", "float8_e4m3fn", "--kv-cache-scales", "checkpoint"],
-         "flotilla worker: --kv-cache-scales checkpoint: {model_dir} has no KV-cache scale tensors"),
+         "flotilla worker: kv_cache_scales 'checkpoint': {model_dir} has no KV-cache scale tensors"),
     ],
 )
 def test_engine_settings_it_would_refuse_fail_in_one_line(tiny_checkpoint, tmp_path, flags, expected):
+    """Refused by the engine before it loads the weights (EngineConfig.validate, the checkpoint's scales)."""
     result = run_cli("worker", "--model-dir", tiny_checkpoint, "--insecure-internal", *flags, cwd=tmp_path)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith(expected.format(model_dir=tiny_checkpoint))

@@ -61,6 +61,7 @@ class LLMEngine:
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.block_size = resolve_block_size(config.block_size, self.device)
+        stored_kv_scales = self._checkpoint_kv_scales()  # before the weights load: a refusal comes at once
         if self.device.type == "cpu":
             if config.keep_freed_host_memory:
                 host_malloc.keep_freed_host_memory()  # before the weights and KV pool: they come from the heap too
@@ -77,7 +78,9 @@ class LLMEngine:
         if self.linear_backend != "torch":
             cpu_linear.pack_linears(model, self.linear_backend)
         self.moe_grouped = settle_experts_way(model)  # before graphs, overlap and calibration run the model
-        self.kv_scales = self._kv_scales(model)
+        self.kv_scales = stored_kv_scales or self._calibrated_kv_scales(model)
+        for layer, layer_scales in zip(model.model.layers, self.kv_scales):
+            layer.self_attn.kv_scales = layer_scales
         # What a peer's cache must match before blocks move between the two (kv_handoff.ensure_peer).
         self.kv_cache_format = kv_scales.describe(self.kv_cache_dtype, self.kv_scales)
         num_blocks = config.num_kv_blocks or self._blocks_for_budget()
@@ -118,21 +121,22 @@ class LLMEngine:
         self._num_prompt_tokens_total = 0
         self._num_output_tokens_total = 0
 
-    def _kv_scales(self, model) -> list[kv_scales.KVScales]:
-        """An fp8 cache's scales, the checkpoint's or calibrated, set before the runner captures CUDA graphs (which
-        hold them as constants)."""
+    def _checkpoint_kv_scales(self) -> list[kv_scales.KVScales] | None:
+        """An fp8 cache's scales from the checkpoint (kv_cache_scales auto or checkpoint), or None: calibrate."""
         mode = self.config.kv_cache_scales
-        if not kv_scales.needs_scales(self.kv_cache_dtype) or mode == "unit":
+        if not kv_scales.needs_scales(self.kv_cache_dtype) or mode not in ("auto", "checkpoint"):
+            return None
+        stored = checkpoint_kv_scales(self.config.model_dir, self.model_config.num_layers)
+        if stored is None and mode == "checkpoint":
+            raise ValueError(f"kv_cache_scales 'checkpoint': {self.config.model_dir} has no KV-cache scale "
+                             "tensors (self_attn.k_scale / v_scale); use 'calibrate' to measure them")
+        return stored
+
+    def _calibrated_kv_scales(self, model) -> list[kv_scales.KVScales]:
+        """An fp8 cache's measured scales (unit for other caches, or asked for), found before the runner captures
+        CUDA graphs (which hold them as constants)."""
+        if not kv_scales.needs_scales(self.kv_cache_dtype) or self.config.kv_cache_scales == "unit":
             return [kv_scales.UNIT] * self.model_config.num_layers
-        if mode in ("auto", "checkpoint"):
-            stored = checkpoint_kv_scales(self.config.model_dir, self.model_config.num_layers)
-            if stored is not None:
-                for layer, layer_scales in zip(model.model.layers, stored):
-                    layer.self_attn.kv_scales = layer_scales
-                return stored
-            if mode == "checkpoint":
-                raise ValueError(f"kv_cache_scales 'checkpoint': {self.config.model_dir} has no KV-cache scale "
-                                 "tensors (self_attn.k_scale / v_scale); use 'calibrate' to measure them")
         token_ids = self.tokenizer.encode(kv_scales.CALIBRATION_TEXT)[: self.max_model_len]
         return calibrate_kv_scales(model, token_ids, self.dtype, self.kv_cache_dtype, self.block_size, self.device)
 

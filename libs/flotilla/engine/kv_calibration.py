@@ -17,7 +17,8 @@ from flotilla.engine.model.llama import LlamaForCausalLM
 def calibrate_kv_scales(model: LlamaForCausalLM, token_ids: Sequence[int], model_dtype: torch.dtype,
                         kv_dtype: torch.dtype, block_size: int, device: torch.device) -> list[KVScales]:
     """Run `token_ids` as one prefill through the model with a scratch cache in the model's dtype, record each
-    layer's largest |K| and |V|, and set every attention module's scales for `kv_dtype` from them."""
+    layer's largest |K| and |V|, and return each layer's scales for `kv_dtype` (the engine sets them on the
+    attention modules)."""
     if not token_ids:
         raise ValueError("the calibration pass needs at least one token")
     attentions = [layer.self_attn for layer in model.model.layers]
@@ -35,7 +36,4 @@ def calibrate_kv_scales(model: LlamaForCausalLM, token_ids: Sequence[int], model
     finally:
         for attention in attentions:
             attention.range_recorder = None
-    scales = recorder.scales(kv_dtype)
-    for attention, layer_scales in zip(attentions, scales):
-        attention.kv_scales = layer_scales
-    return scales
+    return recorder.scales(kv_dtype)

@@ -241,7 +241,6 @@ def run_worker(args: argparse.Namespace) -> int:
         num_host_kv_blocks=args.num_host_kv_blocks,
         seed=args.seed,
     )
-    _check_engine_config(engine)
     config = WorkerConfig(
         engine=engine,
         host=args.host,
@@ -355,20 +354,6 @@ def run_router(args: argparse.Namespace) -> int:
     setup_observability("flotilla-router")
     run_service(serve(config))
     return 0
-
-
-def _check_engine_config(engine) -> None:
-    """Exits with one line for engine settings the engine would refuse at start-up (after the model loads)."""
-    from flotilla.engine.model.loader import checkpoint_kv_scale_tensors
-
-    try:
-        engine.validate()
-    except ValueError as err:
-        raise SystemExit(f"flotilla worker: {err}") from None
-    fp8_cache = engine.kv_cache_dtype.startswith("float8")
-    if engine.kv_cache_scales == "checkpoint" and fp8_cache and not checkpoint_kv_scale_tensors(engine.model_dir):
-        raise SystemExit(f"flotilla worker: --kv-cache-scales checkpoint: {engine.model_dir} has no KV-cache scale "
-                         "tensors (self_attn.k_scale / v_scale); use calibrate to measure them")
 
 
 def _auto_rollback_rule(args: argparse.Namespace):
