@@ -14,7 +14,8 @@ This script measures both sides on the engine itself (CPU, float32). The referen
 batch; with --search N it tries N seed bases (base + stream index, as the tests seed) and keeps the one whose
 closest draw lies farthest out. Then every stream is resumed at each of --resume-points (default: every token):
 the shifts of its draws against the reference's, and which resumed streams came out different (flips).
-The prompts are the fault tests' (random.Random(prompt seed), 4-15 token ids each). Ends with one JSON line.
+The prompts are the fault tests' (fault_test_prompts: random.Random(prompt seed), 4-15 token ids each). Ends with
+one JSON line.
 
     python loadtest/resume_margins.py --top-k 8 --seed-base 44000      # tests/fleet/faults/test_worker_failure.py
     python loadtest/resume_margins.py --greedy                         # its greedy streams
@@ -66,6 +67,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--search", type=int, default=1, help="try this many bases, --seed-base + 1000 k, keep the best")
     p.add_argument("--resume-points", type=int, nargs="*", help="output indices to resume at (default: all)")
     return p.parse_args(argv)
+
+
+def fault_test_prompts(seed: int, count: int) -> list[list[int]]:
+    """The fault tests' prompts (tests/fleet/faults): 4-15 token ids each, under one KV block, drawn from
+    random.Random(seed). One function, so that the margins measured here are the tests' own."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 250) for _ in range(rng.randrange(4, 16))] for _ in range(count)]
 
 
 class DrawRecorder:
@@ -144,8 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     model = args.model or write_checkpoint(Path(tempfile.mkdtemp(prefix="margins-")), size="tiny", seed=0)
     engine = LLMEngine(EngineConfig(model_dir=str(model), device="cpu", num_kv_blocks=512))
-    rng = random.Random(args.prompt_seed)
-    prompts = [[rng.randrange(3, 250) for _ in range(rng.randrange(4, 16))] for _ in range(args.num_streams)]
+    prompts = fault_test_prompts(args.prompt_seed, args.num_streams)
     if args.prompt_text:
         prompts = [engine.tokenizer.encode(text) for text in args.prompt_text]
     streams = range(1 if args.greedy and not args.prompt_text else 0, len(prompts), args.stride)

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import re
 
 import httpx
 import jsonschema
 import pytest
 
+from loadtest.resume_margins import fault_test_prompts
 from tests.support.fleet import fleet_config, start_fleet
 
 from .sse_client import completion_body, stream_completion
@@ -40,10 +40,8 @@ def two_workers(tiny_checkpoint, tmp_path_factory):
 
 
 def _bodies() -> list[dict]:
-    rng = random.Random(9)
     bodies = []
-    for i in range(NUM_STREAMS):
-        prompt = [rng.randrange(3, 250) for _ in range(rng.randrange(4, 16))]
+    for i, prompt in enumerate(fault_test_prompts(9, NUM_STREAMS)):
         body = completion_body(prompt, 200, seed=None if i % 2 else SEED_BASE + i, top_k=0 if i % 2 else SEEDED_TOP_K)
         bodies.append({**body, "guided_json": SCHEMA})
     return bodies

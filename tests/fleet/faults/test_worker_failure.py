@@ -6,13 +6,13 @@ worker stopped with SIGTERM (its streams finish or move within its grace period)
 from __future__ import annotations
 
 import asyncio
-import random
 import re
 
 import httpx
 import pytest
 from redis import Redis
 
+from loadtest.resume_margins import fault_test_prompts
 from tests.support.fleet import fleet_config, start_fleet
 from tests.support.waiting import wait_until
 
@@ -48,9 +48,8 @@ def fault_fleet(tiny_checkpoint, tmp_path_factory, redis_server):
 
 
 def _prompts() -> list[list[int]]:
-    rng = random.Random(PROMPT_SEED)
     # Under one KV block (16 tokens): no prefix-cache affinity, so placement spreads streams by load alone.
-    return [[rng.randrange(3, 250) for _ in range(rng.randrange(4, 16))] for _ in range(NUM_STREAMS)]
+    return fault_test_prompts(PROMPT_SEED, NUM_STREAMS)
 
 
 def _body(i: int, prompt: list[int]) -> dict:
