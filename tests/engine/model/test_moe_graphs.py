@@ -12,7 +12,7 @@ from flotilla.engine.config import EngineConfig
 from flotilla.engine.cuda_graphs import graphs_apply
 from flotilla.engine.engine import LLMEngine
 from flotilla.engine.model import load_model
-from flotilla.engine.model.moe import Experts, settle_experts_way
+from flotilla.engine.model.moe import expert_layers, settle_experts_way
 from flotilla.engine.sampling_params import SamplingParams
 
 from .helpers import add_tokenizer
@@ -22,7 +22,7 @@ def test_graphs_apply_to_a_moe_model_only_once_every_layer_is_settled_grouped(ch
     import torch
 
     model = load_model(checkpoint_factory("qwen3_moe").directory, torch.float32, torch.device("cpu"))
-    layers = [module for module in model.modules() if isinstance(module, Experts)]
+    layers = expert_layers(model)
     assert layers and not graphs_apply(model)  # unsettled: each call would pick its own way
     assert settle_experts_way(model) is True and graphs_apply(model)  # grouped on a CPU
     layers[-1].grouped = False
