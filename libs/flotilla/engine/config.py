@@ -144,6 +144,9 @@ def default_kv_budget(device: torch.device) -> int:
     return DEFAULT_CPU_KV_BYTES
 
 
+FP8_MIN_CAPABILITY = (8, 9)  # fp8 conversions on the GPU: Ada, Hopper and later
+
+
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The KV pool's element type. fp8 halves the pool's bytes (twice the blocks per budget); the Triton kernel
     widens it on load, the torch path widens whole gathered blocks (slower: for tests and CPUs). On CUDA, fp8 needs
@@ -151,7 +154,7 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
     if name == "auto":
         return model_dtype
     dtype = KV_CACHE_DTYPES[name]
-    if dtype.itemsize == 1 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+    if dtype.itemsize == 1 and device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
         raise ValueError(f"kv_cache_dtype {name} needs a GPU of compute capability 8.9 or later")
     return dtype
 

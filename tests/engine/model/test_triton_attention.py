@@ -190,3 +190,19 @@ def test_forced_splits_cover_every_key_without_the_context_length():
     actual = triton_attention.paged_attention(q, cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
                                               1, num_splits=5)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_gpu_tiles_shrink_as_a_row_of_q_widens(monkeypatch):
+    """On a GPU (not the interpreter) 64 x 64 tiles up to 128 16-bit values a row, halved per doubling past it, fp32
+    counting four times; decode keeps its 16 rows. loadtest/kernel_compile_check.py shows why: larger tiles spill."""
+    from flotilla.engine.model import triton_attention
+
+    assert triton_attention.tile_sizes(128, torch.bfloat16, decode=False) == (16, 16)  # the interpreter's
+    monkeypatch.setattr(triton_attention, "_INTERPRETED", False)
+    monkeypatch.setattr(triton_attention, "DECODE_ROWS", 16)
+    assert triton_attention.tile_sizes(128, torch.bfloat16, decode=False) == (64, 64)
+    assert triton_attention.tile_sizes(96, torch.float16, decode=False) == (64, 64)  # padded to 128
+    assert triton_attention.tile_sizes(256, torch.bfloat16, decode=False) == (32, 32)
+    assert triton_attention.tile_sizes(256, torch.bfloat16, decode=True) == (16, 32)
+    assert triton_attention.tile_sizes(64, torch.float32, decode=False) == (32, 32)
+    assert triton_attention.tile_sizes(256, torch.float32, decode=False) == (16, 16)

@@ -29,12 +29,11 @@ import triton.language as tl
 
 from flotilla.engine.model.kv_cache import layer_dims
 
-# Rows per program (query tokens x the heads of a group) and key positions per tile. On a GPU tl.dot needs
-# M >= 16; the interpreter runs every padded row as numpy work, so it gets the smallest tiles.
+# Rows per program (query tokens x the heads of a group) and key positions per tile (tile_sizes). On a GPU tl.dot
+# needs M >= 16; the interpreter runs every padded row as numpy work, so it gets the smallest tiles.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DECODE_ROWS = 1 if _INTERPRETED else 16
-PREFILL_ROWS = 16 if _INTERPRETED else 64
-BLOCK_N = 16 if _INTERPRETED else 64
+INTERPRETED_PREFILL_ROWS = INTERPRETED_BLOCK_N = 16
 # Split-K decode: aim at twice as many programs as the GPU has multiprocessors, never fewer than MIN_SPLIT_KEYS keys
 # a split at the step's longest context (a split's fixed cost: its rows' loads and the combine's reads; shorter
 # sequences of the step get shorter runs), at most MAX_SPLITS splits.
@@ -148,6 +147,21 @@ def _combine_splits_kernel(
              mask=dim_valid)
 
 
+def tile_sizes(head_dim: int, dtype: torch.dtype, decode: bool) -> tuple[int, int]:
+    """(rows per program, keys per tile) on a GPU: 64 x 64 while a row of q (its padded head dim) is at most 128
+    16-bit values, halved for each doubling past that, so that a program's q, K/V tiles and float32 accumulator stay
+    in registers. fp32 q counts four times (fp32 tl.dot runs as FMAs on registers, not on the tensor cores); fp8
+    K/V is widened to q's type, so it counts as q. Decode steps keep DECODE_ROWS rows. Measured by compiling every
+    launch for sm_80 and sm_90 (loadtest/kernel_compile_check.py): 64 x 64 prefill tiles at head dim 256, or in fp32
+    at any head dim, spilled registers (up to 60 KB a thread), and in fp32 at 256 needed more shared memory than an
+    A100 has; so did 64-key decode tiles at head dim 256 in fp32."""
+    if _INTERPRETED:
+        return (DECODE_ROWS if decode else INTERPRETED_PREFILL_ROWS), INTERPRETED_BLOCK_N
+    width = max(16, triton.next_power_of_2(head_dim)) * (4 if dtype == torch.float32 else 1)
+    tile = 64 if width <= 128 else max(16, 64 * 128 // width)
+    return (DECODE_ROWS if decode else tile), tile
+
+
 def decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_multiprocessors: int) -> int:
     """Splits per (sequence, KV head) for an all-decode step: enough programs for twice the multiprocessors, at
     least MIN_SPLIT_KEYS keys a split at max_context_len, at most MAX_SPLITS; 1 when the step fills the GPU already
@@ -175,7 +189,6 @@ def paged_attention(
     window: int | None = None,
     softcap: float | None = None,
     out: torch.Tensor | None = None,
-    block_n: int = BLOCK_N,
     max_context_len: int = 0,
     num_splits: int | None = None,
 ) -> torch.Tensor:
@@ -193,7 +206,7 @@ def paged_attention(
         raise ValueError("q and kv_cache need a contiguous head dimension")
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    rows = DECODE_ROWS if max_query_len == 1 else PREFILL_ROWS
+    rows, block_n = tile_sizes(head_dim, q.dtype, decode=max_query_len == 1)
     block_m = max(1, rows // group_pad)
     out = torch.empty_like(q) if out is None else out
     num_seqs = context_lens.shape[0]
