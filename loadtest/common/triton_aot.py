@@ -144,9 +144,21 @@ def _ptxas_usage(ptx: str, arch: int) -> dict:
     }
 
 
+def _ptx_instructions(ptx: str) -> dict:
+    """What the PTX says of the inner loop: matrix instructions on the tensor cores (Hopper's wgmma, or mma.sync;
+    none for fp32 in IEEE precision, which must not become TF32), and the sizes of the asynchronous copies into
+    shared memory (16 bytes: K/V rows loaded as vectors; 4: the block table's entries) -> {size: count}."""
+    sizes = re.findall(r"cp\.async\.c[ag]\.shared\.global[^,]*\], \[[^\]]*\], (0x[0-9a-f]+|\d+)", ptx)
+    return {
+        "tensor_core_instructions": len(re.findall(r"\bwgmma\.mma_async\b|\bmma\.sync\b", ptx)),
+        "async_copy_bytes": {str(int(size, 0)): sizes.count(size) for size in sorted(set(sizes), key=sizes.index)},
+    }
+
+
 def compile_launch(launch: Launch, arch: int) -> dict:
     """Compile one recorded launch for sm_<arch> as a launch on that GPU would: the same specialisation of its
-    arguments, the same default options. -> shared memory, warps, registers and spills."""
+    arguments, the same default options. -> shared memory, warps, registers, spills, matrix instructions and copy
+    sizes."""
     kernel = launch.kernel
     backend = make_backend(GPUTarget("cuda", arch, 32))
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
@@ -163,6 +175,7 @@ def compile_launch(launch: Launch, arch: int) -> dict:
         "num_warps": compiled.metadata.num_warps,
         "num_stages": compiled.metadata.num_stages,
         **_ptxas_usage(compiled.asm["ptx"], arch),
+        **_ptx_instructions(compiled.asm["ptx"]),
     }
 
 
