@@ -20,7 +20,9 @@ in this order (the issue's targets first):
 - split-K decode: the split kernel against the torch path, and one sequence over an 8,192-token context unsplit and
   split (loadtest/common/gpu_split_decode.py);
 - swap copies on their side stream: swapped-out blocks overwritten and swapped-in blocks read on the compute stream
-  at once, staged and unstaged (loadtest/common/gpu_swap_check.py).
+  at once, staged and unstaged (loadtest/common/gpu_swap_check.py);
+- how many times each Triton attention kernel was compiled over the whole check, and the most any one configuration
+  of it was (more than 1: a step compiled a kernel again while serving; loadtest/common/gpu_triton_compiles.py).
 Targets (reported, never asserted): decode <= 1.3x the memory floor at batch 1, prefill >= 60% of the compute
 floor, >= 2x transformers' throughput at batch 64. One JSON line at the end. Needs only torch, triton,
 transformers, safetensors, tokenizers and this repository; fetches nothing. Meant to take under 8 minutes on an
@@ -58,6 +60,7 @@ from loadtest.common.gpu_moe_check import moe_grouped_check
 from loadtest.common.gpu_moe_graphs import moe_graphs_check
 from loadtest.common.gpu_swap_check import swap_stream_check
 from loadtest.common.gpu_throughput import engine_performance, floors, transformers_performance
+from loadtest.common.gpu_triton_compiles import triton_compiles
 from loadtest.common.random_llama import write_random_llama
 
 __all__ = ["agreement", "main"]
@@ -117,6 +120,7 @@ def run(args: argparse.Namespace) -> dict:
         parts.run("moe_grouped", lambda: moe_grouped_check(device))
         parts.run("split_decode", lambda: split_decode_check(device))
         parts.run("swap_streams", lambda: swap_stream_check(device))
+    report["triton_compiles"] = triton_compiles()
     report["seconds"] = parts.elapsed()
     report["finished"] = True  # the report file of a check killed from outside lacks it
     parts.save()

@@ -28,13 +28,15 @@ from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from flotilla.engine.config import FP8_MIN_CAPABILITY
-from flotilla.engine.model import triton_attention
+from flotilla.engine.config import DEFAULT_BLOCK_SIZE, FP8_MIN_CAPABILITY
+from flotilla.engine.model import attention, triton_attention
+from flotilla.engine.model.attention import AttentionMetadata, SeqChunk
 from flotilla.engine.model.kv_cache import layer_shape
 
 # Shared memory a block may use (opt-in maximum, bytes), from the CUDA programming guide's table per capability.
 SHARED_MEMORY_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
-GPU_BLOCK_SIZE = 16  # config.DEFAULT_BLOCK_SIZE["cuda"]
+GPU_BLOCK_SIZE = DEFAULT_BLOCK_SIZE["cuda"]
+CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -91,37 +93,60 @@ class _Recorder:
 
 @contextmanager
 def _recording(launches: list[Launch]):
-    names = ("_paged_attention_kernel", "_combine_splits_kernel")
+    """Kernels swapped for recorders, and the launcher told it runs on an H100 (132 multiprocessors), so that it
+    splits decode steps as it would there."""
+    names = ("_paged_attention_kernel", "_combine_splits_kernel", "_num_multiprocessors")
     originals = {name: getattr(triton_attention, name) for name in names}
     try:
-        for name, kernel in originals.items():
-            setattr(triton_attention, name, _Recorder(kernel, launches))
+        for name in names[:2]:
+            setattr(triton_attention, name, _Recorder(originals[name], launches))
+        triton_attention._num_multiprocessors = lambda device: H100_MULTIPROCESSORS
         yield
     finally:
-        for name, kernel in originals.items():
-            setattr(triton_attention, name, kernel)
+        for name, original in originals.items():
+            setattr(triton_attention, name, original)
 
 
-def step_launches(shape: AttentionShape, dtype: torch.dtype, kv_dtype: torch.dtype, phase: str) -> list[Launch]:
-    """The kernel launches paged_attention makes for one step of `phase` on this shape: 4 sequences with 300 keys
-    each (one query each for decode, the last 64 for prefill, so a chunk after a prefix hit)."""
-    num_seqs, context_len = 4, 300
-    query_len = 64 if phase == "prefill" else 1
+H100_MULTIPROCESSORS = 132
+# Context lengths a step kind is recorded at: their block tables are 1, 16 and 19 blocks wide (2,048 and 2,064
+# tokens: 128 and 129, long enough to split), the widths Triton would specialise differently (1, a multiple of 16,
+# anything else) if the launch let it, each variant a compile on the serving path. A prefill of 16 is a whole prompt.
+CONTEXT_LENS = {"decode": (16, 256, 300), "decode-split": (2048, 2064), "prefill": (16, 256, 300)}
+
+
+def step_launches(shape: AttentionShape, dtype: torch.dtype, kv_dtype: torch.dtype, phase: str,
+                  context_len: int | None = None) -> list[Launch]:
+    """The kernel launches the engine makes for one step of `phase` on this shape: 4 sequences of context_len keys
+    (default: the phase's longest in CONTEXT_LENS); one query each for decode, for prefill the last 64 (a chunk after
+    a prefix hit) or all of them when fewer. Through the engine's own metadata (AttentionMetadata.build) and
+    attention call (attention.paged_attention)."""
+    context_len = context_len or CONTEXT_LENS[phase][-1]
+    num_seqs = 4
+    query_len = min(64, context_len) if phase == "prefill" else 1
     blocks_per_seq = -(-context_len // GPU_BLOCK_SIZE)
-    qkv = torch.zeros(num_seqs * query_len, (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim, dtype=dtype)
-    q = qkv[:, : shape.num_heads * shape.head_dim].view(-1, shape.num_heads, shape.head_dim).contiguous()  # rotated
+    seqs = [SeqChunk(context_len - query_len, query_len, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)))
+            for i in range(num_seqs)]
+    meta = AttentionMetadata.build(seqs, GPU_BLOCK_SIZE, CPU, sliding_window=shape.window, use_triton=True)
+    tokens = num_seqs * query_len
+    q = torch.zeros(tokens, shape.num_heads, shape.head_dim, dtype=dtype)
+    k = torch.zeros(tokens, shape.num_kv_heads, shape.head_dim, dtype=dtype)
     kv_cache = torch.zeros(layer_shape(num_seqs * blocks_per_seq, GPU_BLOCK_SIZE, shape.num_kv_heads, shape.head_dim),
                            dtype=kv_dtype)
-    block_tables = torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32).view(num_seqs, blocks_per_seq)
-    query_start = torch.arange(num_seqs + 1, dtype=torch.int32) * query_len
-    context_lens = torch.full((num_seqs,), context_len, dtype=torch.int32)
     launches: list[Launch] = []
     with _recording(launches):
-        triton_attention.paged_attention(
-            q, kv_cache, block_tables, query_start, context_lens, query_len, window=shape.window,
-            softcap=shape.softcap, max_context_len=context_len, num_splits=4 if phase == "decode-split" else None,
-        )  # fmt: skip
+        attention.paged_attention(q, k, k, kv_cache, meta, window=shape.window, softcap=shape.softcap)
+    splits = launches[0].kwargs["num_splits"]
+    if (splits > 1) != (phase == "decode-split"):
+        raise AssertionError(f"{shape.name} {phase} at {context_len} keys: the launcher chose {splits} splits")
     return launches
+
+
+def _specialise(launch: Launch, backend) -> tuple:
+    """What Triton compiles a launch as on that backend's GPU: (options, signature, constexprs, attrs)."""
+    kernel = launch.kernel
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound_args, specialization, options = binder(*launch.args, **launch.kwargs)
+    return kernel._pack_args(backend, launch.kwargs, bound_args, specialization, options)
 
 
 def _ptxas_usage(ptx: str, arch: int) -> dict:
@@ -159,17 +184,13 @@ def compile_launch(launch: Launch, arch: int) -> dict:
     """Compile one recorded launch for sm_<arch> as a launch on that GPU would: the same specialisation of its
     arguments, the same default options. -> shared memory, warps, registers, spills, matrix instructions and copy
     sizes."""
-    kernel = launch.kernel
     backend = make_backend(GPUTarget("cuda", arch, 32))
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound_args, specialization, options = binder(*launch.args, **launch.kwargs)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, launch.kwargs, bound_args, specialization,
-                                                              options)
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=backend.target,
+    options, signature, constexprs, attrs = _specialise(launch, backend)
+    compiled = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=backend.target,
                               options=options.__dict__)
     shared = compiled.metadata.shared
     return {
-        "kernel": kernel.fn.__name__,
+        "kernel": launch.kernel.fn.__name__,
         "shared_bytes": shared,
         "shared_fits": shared <= SHARED_MEMORY_LIMIT.get(arch, min(SHARED_MEMORY_LIMIT.values())),
         "num_warps": compiled.metadata.num_warps,
@@ -179,10 +200,16 @@ def compile_launch(launch: Launch, arch: int) -> dict:
     }
 
 
+def _variant_key(launch: Launch, arch: int) -> str:
+    options, signature, constexprs, attrs = _specialise(launch, make_backend(GPUTarget("cuda", arch, 32)))
+    return repr((launch.kernel.fn.__name__, signature, sorted(constexprs.items()), sorted(attrs.items())))
+
+
 def compile_matrix(arch: int, shapes=SHAPES, dtypes=DTYPES, phases=PHASES,
                    progress: Callable[[dict], None] | None = None) -> list[dict]:
-    """Every launch of every (shape, dtypes, phase), compiled for sm_<arch>. A compile that fails is a row with
-    its error, not an exception: the report shows all of them."""
+    """Every kernel of every (shape, dtypes, phase), compiled for sm_<arch>, one row each. Each step kind is recorded
+    at the CONTEXT_LENS; `variants` is how many distinct compiles of that kernel they would cost (1: the table's
+    width changes nothing). A compile that fails is a row with its error, not an exception."""
     rows = []
     for shape in shapes:
         for dtype, kv_dtype in dtypes:
@@ -191,9 +218,12 @@ def compile_matrix(arch: int, shapes=SHAPES, dtypes=DTYPES, phases=PHASES,
             for phase in phases:
                 where = {"arch": arch, "shape": shape.name, "dtype": str(dtype).removeprefix("torch."),
                          "kv_dtype": str(kv_dtype).removeprefix("torch."), "phase": phase}
-                for launch in step_launches(shape, dtype, kv_dtype, phase):
+                steps = [step_launches(shape, dtype, kv_dtype, phase, length) for length in CONTEXT_LENS[phase]]
+                for kernel_launches in zip(*steps):  # the same kernel at each context length
+                    launch = kernel_launches[-1]  # the widest table, of a width Triton has nothing to say about
                     try:
-                        row = {**where, **compile_launch(launch, arch)}
+                        variants = len({_variant_key(each, arch) for each in kernel_launches})
+                        row = {**where, **compile_launch(launch, arch), "variants": variants}
                     except Exception as error:  # noqa: BLE001 - reported per launch
                         row = {**where, "kernel": launch.kernel.fn.__name__,
                                "error": f"{type(error).__name__}: {str(error)[:500]}"}

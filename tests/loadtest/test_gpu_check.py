@@ -47,6 +47,7 @@ def test_dry_run_reports_every_figure(tmp_path, capsys):
     split = report["split_decode"]  # tests/conftest.py sets TRITON_INTERPRET=1: the split kernel runs
     assert split["max_abs_error_float32_forced"] < 1e-4 and split["max_abs_error_float32_window_forced"] < 1e-4
     assert split["batch1_ms_unsplit"] > 0 and split["batch1_ms_split"] > 0
+    assert report["triton_compiles"] == {"skipped": "Triton's interpreter compiles nothing"}
     swaps = report["swap_streams"]
     assert swaps["staged"]["equal"] and swaps["unstaged"]["equal"] and swaps["rounds"] > 0
     moe = report["moe_grouped"]
@@ -174,3 +175,19 @@ def test_a_host_sync_is_reported_with_its_place_and_other_errors_are_not_taken_f
     assert gpu_host_syncs._checked(Engine(9, ""), torch.device("cpu"), steps=5) == {"steps": 5, "host_sync": "none"}
     with pytest.raises(RuntimeError, match="out of memory"):
         gpu_host_syncs._checked(Engine(1, "CUDA out of memory"), torch.device("cpu"), steps=5)
+
+
+def test_triton_compiles_count_recompiles_of_one_configuration():
+    """A configuration (the declared constexprs) compiled twice shows, whatever its other arguments' specialisation."""
+    from types import SimpleNamespace
+
+    from loadtest.common.gpu_triton_compiles import kernel_compiles
+
+    params = [SimpleNamespace(is_constexpr=flag) for flag in (False, True, False, True)]
+    key_cache = {
+        ((("*bf16", "D"), ("constexpr", 64), ("i32", "D"), ("constexpr", False)), "options"): "k1",
+        ((("*bf16", "D"), ("constexpr", 64), ("i32", ""), ("constexpr", False)), "options"): "k2",  # same config
+        ((("*bf16", "D"), ("constexpr", 64), ("i32", ""), ("constexpr", True)), "options"): "k3",
+    }
+    kernel = SimpleNamespace(params=params, device_caches={0: ({}, key_cache, None, None, None)})
+    assert kernel_compiles(kernel) == {"compiles": 3, "configurations": 2, "most_compiles_of_one_configuration": 2}

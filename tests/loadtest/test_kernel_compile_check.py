@@ -1,9 +1,9 @@
 """The Triton attention kernels compiled for real GPUs (sm_90: H100/H200; sm_80: A100) on this CPU: every launch
 the engine's launcher makes for the device check's shapes and a head dim of 256, in bf16 (with a bf16 or fp8 cache)
 and fp32, builds to a cubin, fits the architecture's shared memory, loads K/V as 16-byte vectors, multiplies 16-bit
-tiles on the tensor cores and fp32 ones in IEEE precision, and on sm_90 spills no register. The interpreter tests
-(tests/engine/model/test_triton_attention.py) check what the kernels compute; this checks that a GPU would take
-them."""
+tiles on the tensor cores and fp32 ones in IEEE precision, compiles once whatever a step's block-table width, and on
+sm_90 spills no register. The interpreter tests (tests/engine/model/test_triton_attention.py) check what the
+kernels compute; this checks that a GPU would take them."""
 
 import json
 import os
@@ -46,6 +46,8 @@ def test_every_launch_builds_for_hopper_and_ampere(tmp_path):
     for launch in launches:
         if launch["kernel"] != "_paged_attention_kernel":
             continue
+        # one compile whatever the step's block-table width: none while serving after the first of each kind
+        assert launch["variants"] == 1, launch
         # K/V tiles come in as 16-byte vectors (the launch's strides and pointers specialised as divisible by 16)
         assert launch["async_copy_bytes"].get("16", 0) > 0, launch
         # 16-bit q.K and p.V on the tensor cores; fp32 in IEEE precision as FMAs, never TF32 (transformers' fp32)
@@ -71,11 +73,15 @@ def test_refusals_and_spills_are_told_apart():
 
 @pytest.mark.parametrize("phase", triton_aot.PHASES)
 def test_a_step_is_recorded_as_the_launcher_makes_it(phase):
-    """The recorded launches carry what paged_attention passes: the split step's two kernels, its split count."""
+    """The recorded launches carry what the engine passes: the split step's two kernels (split as on an H100),
+    the engine's metadata."""
     launches = triton_aot.step_launches(triton_aot.SHAPES[1], torch.bfloat16, torch.bfloat16, phase)
     names = [launch.kernel.fn.__name__ for launch in launches]
     assert names == (["_paged_attention_kernel", "_combine_splits_kernel"] if phase == "decode-split"
                      else ["_paged_attention_kernel"])
     kwargs = launches[0].kwargs
-    assert kwargs["SPLIT"] == (phase == "decode-split") and kwargs["num_splits"] == (4 if kwargs["SPLIT"] else 1)
+    assert kwargs["SPLIT"] == (phase == "decode-split") and (kwargs["num_splits"] > 1) == kwargs["SPLIT"]
     assert kwargs["HEAD_DIM"] == 128 and kwargs["GROUP"] == 4
+    block_tables = launches[0].args[4]  # the engine's own metadata: int64 tables, 4 sequences
+    context_len = triton_aot.CONTEXT_LENS[phase][-1]
+    assert block_tables.dtype == torch.int64 and block_tables.shape == (4, -(-context_len // 16))

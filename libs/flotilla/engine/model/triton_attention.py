@@ -41,7 +41,11 @@ MIN_SPLIT_KEYS = 256
 MAX_SPLITS = 16
 
 
-@triton.jit
+# A launch's integer arguments are specialised by value (1, a multiple of 16, anything else), each variant a compile
+# on first use. The block table's row stride (the step's widest table, in blocks) and the split count change from
+# step to step: specialised, a server would compile up to three variants of each kind of step while serving
+# (loadtest/kernel_compile_check.py counts them), for nothing (they only index).
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_ptr, context_lens_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
