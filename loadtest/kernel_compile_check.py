@@ -1,11 +1,12 @@
 """Compile the engine's Triton attention kernels for NVIDIA GPUs on this machine, without a GPU (`make kernel-check`).
 
-Every launch the engine's launcher makes, for each shape in loadtest/common/triton_aot.py (the device check's Llama
-1B and 8B, and the corners of GQA padding, head dims and windows), each dtype pair (bf16, fp16, an fp8 cache, fp32)
-and each kind of step (decode, split decode, prefill), is compiled to a cubin for each --arch, as a launch on that GPU
-would specialise it. Per launch: shared memory against the architecture's limit, registers, and bytes spilled to
-local memory. A compile error or shared memory past the limit is a problem (the GPU would refuse the launch) and
-the command exits 1; spills are listed apart (the launch runs, slower). One JSON line at the end:
+Every launch the engine makes, for each shape in loadtest/common/triton_aot.py (the device check's Llama 1B and 8B,
+and the corners of GQA padding, head dims and windows), each dtype pair (bf16, fp16, an fp8 cache, fp32) and each
+kind of step (decode, split decode, prefill), is compiled to a cubin for each --arch, as a launch on that GPU would
+specialise it. Per launch: shared memory against the architecture's limit, registers, bytes spilled to local memory,
+tensor-core instructions, copy sizes, and how many compiles its kind of step costs as block tables widen. A compile
+error or shared memory past the limit is a problem (the GPU would refuse the launch) and the command exits 1; spills
+are listed apart (the launch runs, slower). One JSON line at the end:
 {"problems": [...], "spilled": [...], "launches": [...]}.
 
     python loadtest/kernel_compile_check.py                  # sm_90 (H100/H200) and sm_80 (A100)

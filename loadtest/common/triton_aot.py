@@ -2,10 +2,12 @@
 
 Triton's interpreter (what the tests run the kernels under) accepts programs the real compiler refuses, and says
 nothing of what a program costs on a GPU: shared memory past the device's limit fails only at launch, and registers
-spilled to local memory slow every tile. This module runs the engine's own launcher (`paged_attention`) on small
-CPU tensors shaped like a model's, with the kernels swapped for recorders, then feeds each recorded launch through
-Triton's own argument specialisation (alignment and divisibility, as a launch on a GPU would see them) and compiles
-it all the way to a cubin with the ptxas that ships in the triton wheel. Nothing runs; only the compile does.
+spilled to local memory slow every tile, and a specialisation by value that changes from step to step is a compile
+on the serving path. This module runs the engine's own attention call (its metadata, `attention.paged_attention`)
+on small CPU tensors shaped like a model's, with the kernels swapped for recorders, then feeds each recorded launch
+through Triton's own argument specialisation (alignment and divisibility, as a launch on a GPU would see them) and
+compiles it all the way to a cubin with the ptxas that ships in the triton wheel. Nothing runs; only the compile
+does.
 
 Must be imported with TRITON_INTERPRET unset: under the interpreter `triton.jit` gives no compilable function, and
 triton_attention picks its interpreter tile sizes.
@@ -37,6 +39,11 @@ from flotilla.engine.model.kv_cache import layer_shape
 SHARED_MEMORY_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 GPU_BLOCK_SIZE = DEFAULT_BLOCK_SIZE["cuda"]
 CPU = torch.device("cpu")
+H100_MULTIPROCESSORS = 132
+# Context lengths a step kind is recorded at: their block tables are 1, 16 and 19 blocks wide (2,048 and 2,064
+# tokens: 128 and 129, long enough to split), the widths Triton would specialise differently (1, a multiple of 16,
+# anything else) if the launch let it, each variant a compile on the serving path. A prefill of 16 is a whole prompt.
+CONTEXT_LENS = {"decode": (16, 256, 300), "decode-split": (2048, 2064), "prefill": (16, 256, 300)}
 
 
 @dataclass(frozen=True)
@@ -107,13 +114,6 @@ def _recording(launches: list[Launch]):
             setattr(triton_attention, name, original)
 
 
-H100_MULTIPROCESSORS = 132
-# Context lengths a step kind is recorded at: their block tables are 1, 16 and 19 blocks wide (2,048 and 2,064
-# tokens: 128 and 129, long enough to split), the widths Triton would specialise differently (1, a multiple of 16,
-# anything else) if the launch let it, each variant a compile on the serving path. A prefill of 16 is a whole prompt.
-CONTEXT_LENS = {"decode": (16, 256, 300), "decode-split": (2048, 2064), "prefill": (16, 256, 300)}
-
-
 def step_launches(shape: AttentionShape, dtype: torch.dtype, kv_dtype: torch.dtype, phase: str,
                   context_len: int | None = None) -> list[Launch]:
     """The kernel launches the engine makes for one step of `phase` on this shape: 4 sequences of context_len keys
@@ -137,7 +137,7 @@ def step_launches(shape: AttentionShape, dtype: torch.dtype, kv_dtype: torch.dty
         attention.paged_attention(q, k, k, kv_cache, meta, window=shape.window, softcap=shape.softcap)
     splits = launches[0].kwargs["num_splits"]
     if (splits > 1) != (phase == "decode-split"):
-        raise AssertionError(f"{shape.name} {phase} at {context_len} keys: the launcher chose {splits} splits")
+        raise RuntimeError(f"{shape.name} {phase} at {context_len} keys: the launcher chose {splits} splits")
     return launches
 
 
@@ -192,7 +192,7 @@ def compile_launch(launch: Launch, arch: int) -> dict:
     return {
         "kernel": launch.kernel.fn.__name__,
         "shared_bytes": shared,
-        "shared_fits": shared <= SHARED_MEMORY_LIMIT.get(arch, min(SHARED_MEMORY_LIMIT.values())),
+        "shared_fits": shared <= SHARED_MEMORY_LIMIT[arch],
         "num_warps": compiled.metadata.num_warps,
         "num_stages": compiled.metadata.num_stages,
         **_ptxas_usage(compiled.asm["ptx"], arch),
@@ -201,8 +201,9 @@ def compile_launch(launch: Launch, arch: int) -> dict:
 
 
 def _variant_key(launch: Launch, arch: int) -> str:
+    """What tells one compile of a kernel from another (Triton's cache key, less the source's hash)."""
     options, signature, constexprs, attrs = _specialise(launch, make_backend(GPUTarget("cuda", arch, 32)))
-    return repr((launch.kernel.fn.__name__, signature, sorted(constexprs.items()), sorted(attrs.items())))
+    return repr((launch.kernel.fn.__name__, str(options), signature, sorted(constexprs.items()), sorted(attrs.items())))
 
 
 def compile_matrix(arch: int, shapes=SHAPES, dtypes=DTYPES, phases=PHASES,

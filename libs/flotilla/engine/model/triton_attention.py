@@ -157,7 +157,7 @@ def tile_sizes(head_dim: int, dtype: torch.dtype, decode: bool) -> tuple[int, in
     in registers. fp32 q counts four times (fp32 tl.dot runs as FMAs on registers, not on the tensor cores); fp8
     K/V is widened to q's type, so it counts as q. Decode steps keep DECODE_ROWS rows. Measured by compiling every
     launch for sm_80 and sm_90 (loadtest/kernel_compile_check.py): 64 x 64 prefill tiles at head dim 256, or in fp32
-    at any head dim, spilled registers (up to 60 KB a thread), and in fp32 at 256 needed more shared memory than an
+    at any head dim, spilled registers (up to 67 KB a thread), and in fp32 at 256 needed more shared memory than an
     A100 has; so did 64-key decode tiles at head dim 256 in fp32."""
     if _INTERPRETED:
         return (DECODE_ROWS if decode else INTERPRETED_PREFILL_ROWS), INTERPRETED_BLOCK_N
