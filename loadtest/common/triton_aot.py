@@ -35,8 +35,9 @@ from flotilla.engine.model import attention, triton_attention
 from flotilla.engine.model.attention import AttentionMetadata, SeqChunk
 from flotilla.engine.model.kv_cache import layer_shape
 
-# Shared memory a block may use (opt-in maximum, bytes), from the CUDA programming guide's table per capability.
-SHARED_MEMORY_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+# Shared memory a block may use (opt-in maximum, bytes), from the CUDA programming guide's table per capability
+# (100: B200/GB200, compiled with the wheel's ptxas-blackwell).
+SHARED_MEMORY_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448}
 GPU_BLOCK_SIZE = DEFAULT_BLOCK_SIZE["cuda"]
 CPU = torch.device("cpu")
 H100_MULTIPROCESSORS = 132
@@ -170,12 +171,13 @@ def _ptxas_usage(ptx: str, arch: int) -> dict:
 
 
 def _ptx_instructions(ptx: str) -> dict:
-    """What the PTX says of the inner loop: matrix instructions on the tensor cores (Hopper's wgmma, or mma.sync;
-    none for fp32 in IEEE precision, which must not become TF32), and the sizes of the asynchronous copies into
-    shared memory (16 bytes: K/V rows loaded as vectors; 4: the block table's entries) -> {size: count}."""
+    """What the PTX says of the inner loop: matrix instructions on the tensor cores (Blackwell's tcgen05.mma,
+    Hopper's wgmma, or mma.sync; none for fp32 in IEEE precision, which must not become TF32), and the sizes of the
+    asynchronous copies into shared memory (16 bytes: K/V rows loaded as vectors; 8: the block table's int64
+    entries) -> {size: count}."""
     sizes = re.findall(r"cp\.async\.c[ag]\.shared\.global[^,]*\], \[[^\]]*\], (0x[0-9a-f]+|\d+)", ptx)
     return {
-        "tensor_core_instructions": len(re.findall(r"\bwgmma\.mma_async\b|\bmma\.sync\b", ptx)),
+        "tensor_core_instructions": len(re.findall(r"\btcgen05\.mma\b|\bwgmma\.mma_async\b|\bmma\.sync\b", ptx)),
         "async_copy_bytes": {str(int(size, 0)): sizes.count(size) for size in sorted(set(sizes), key=sizes.index)},
     }
 
