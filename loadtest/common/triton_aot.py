@@ -41,10 +41,11 @@ SHARED_MEMORY_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 2324
 GPU_BLOCK_SIZE = DEFAULT_BLOCK_SIZE["cuda"]
 CPU = torch.device("cpu")
 H100_MULTIPROCESSORS = 132
-# Context lengths a step kind is recorded at: their block tables are 1, 16 and 19 blocks wide (2,048 and 2,064
-# tokens: 128 and 129, long enough to split), the widths Triton would specialise differently (1, a multiple of 16,
-# anything else) if the launch let it, each variant a compile on the serving path. A prefill of 16 is a whole prompt.
-CONTEXT_LENS = {"decode": (16, 256, 300), "decode-split": (2048, 2064), "prefill": (16, 256, 300)}
+# Context lengths a step kind is recorded at: their block tables are 1, 16 and 19 blocks wide (1,024, 2,048 and
+# 2,064 tokens: 64, 128 and 129, long enough to split, into 4, 8 and 8 on an H100), the widths Triton would
+# specialise differently (1, a multiple of 16, anything else) if the launch let it, each variant a compile on the
+# serving path. A prefill of 16 is a whole prompt.
+CONTEXT_LENS = {"decode": (16, 256, 300), "decode-split": (1024, 2048, 2064), "prefill": (16, 256, 300)}
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,16 @@ def step_launches(shape: AttentionShape, dtype: torch.dtype, kv_dtype: torch.dty
     return launches
 
 
+def warm_up_launches(shape: AttentionShape, dtype: torch.dtype, kv_dtype: torch.dtype) -> list[Launch]:
+    """The launches the engine's start-up warm-up (triton_attention.warm_up, run by ModelRunner on CUDA) makes for a
+    model of this shape, on a layer cache laid out as the engine's."""
+    kv_cache = torch.zeros(layer_shape(4, GPU_BLOCK_SIZE, shape.num_kv_heads, shape.head_dim), dtype=kv_dtype)
+    launches: list[Launch] = []
+    with _recording(launches):
+        triton_attention.warm_up(kv_cache, shape.num_heads, dtype, [(shape.window, shape.softcap)])
+    return launches
+
+
 def _specialise(launch: Launch, backend) -> tuple:
     """What Triton compiles a launch as on that backend's GPU: (options, signature, constexprs, attrs)."""
     kernel = launch.kernel
@@ -212,12 +223,14 @@ def compile_matrix(arch: int, shapes=SHAPES, dtypes=DTYPES, phases=PHASES,
                    progress: Callable[[dict], None] | None = None) -> list[dict]:
     """Every kernel of every (shape, dtypes, phase), compiled for sm_<arch>, one row each. Each step kind is recorded
     at the CONTEXT_LENS; `variants` is how many distinct compiles of that kernel they would cost (1: the table's
-    width changes nothing). A compile that fails is a row with its error, not an exception."""
+    width changes nothing), `compiled_while_serving` how many of those the start-up warm-up leaves to the first
+    requests (0: it compiled them all). A compile that fails is a row with its error, not an exception."""
     rows = []
     for shape in shapes:
         for dtype, kv_dtype in dtypes:
             if kv_dtype.itemsize == 1 and (arch // 10, arch % 10) < FP8_MIN_CAPABILITY:
                 continue  # the engine refuses an fp8 cache there (config.resolve_kv_cache_dtype)
+            warmed = {_variant_key(launch, arch) for launch in warm_up_launches(shape, dtype, kv_dtype)}
             for phase in phases:
                 where = {"arch": arch, "shape": shape.name, "dtype": str(dtype).removeprefix("torch."),
                          "kv_dtype": str(kv_dtype).removeprefix("torch."), "phase": phase}
@@ -225,8 +238,9 @@ def compile_matrix(arch: int, shapes=SHAPES, dtypes=DTYPES, phases=PHASES,
                 for kernel_launches in zip(*steps):  # the same kernel at each context length
                     launch = kernel_launches[-1]  # the widest table, of a width Triton has nothing to say about
                     try:
-                        variants = len({_variant_key(each, arch) for each in kernel_launches})
-                        row = {**where, **compile_launch(launch, arch), "variants": variants}
+                        keys = {_variant_key(each, arch) for each in kernel_launches}
+                        row = {**where, **compile_launch(launch, arch), "variants": len(keys),
+                               "compiled_while_serving": len(keys - warmed)}
                     except Exception as error:  # noqa: BLE001 - reported per launch
                         row = {**where, "kernel": launch.kernel.fn.__name__,
                                "error": f"{type(error).__name__}: {str(error)[:500]}"}

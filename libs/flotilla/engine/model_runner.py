@@ -57,6 +57,12 @@ class ModelRunner:
         self.kv_hook: StepKVHook | None = None
         self.use_decode_kernel = not self.use_triton and decode_kernel.applies(self.kv_caches[0])
         self.use_prefill_kernel = not self.use_triton and prefill_kernel.applies(self.kv_caches[0])
+        if self.use_triton and device.type == "cuda":  # compiled now, not at the first requests (nor in a capture)
+            from flotilla.engine.model import triton_attention  # imports triton: only where it runs
+
+            attentions = [layer.self_attn for layer in model.model.layers]
+            triton_attention.warm_up(self.kv_caches[0], attentions[0].num_heads, model.model.embed_tokens.weight.dtype,
+                                     {(attention.window, attention.softcap) for attention in attentions})
         self.graphs: cuda_graphs.DecodeGraphs | None = None
         if graph_sizes:
             if not self.use_triton or max_model_len is None:

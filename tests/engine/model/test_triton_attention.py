@@ -206,3 +206,14 @@ def test_gpu_tiles_shrink_as_a_row_of_q_widens(monkeypatch):
     assert triton_attention.tile_sizes(256, torch.bfloat16, decode=True) == (16, 32)
     assert triton_attention.tile_sizes(64, torch.float32, decode=False) == (32, 32)
     assert triton_attention.tile_sizes(256, torch.float32, decode=False) == (16, 16)
+
+
+def test_warm_up_launches_every_kind_of_step_for_each_kind_of_layer():
+    """Three launches (decode, split decode, prefill) per (window, soft-cap) the layers use, on the layer cache
+    itself; which variants they compile is loadtest/kernel_compile_check.py's (it needs the compiler)."""
+    from flotilla.engine.model import triton_attention
+
+    kv_cache = torch.zeros(layer_shape(3, 16, 2, 24))
+    before = kv_cache.clone()
+    assert triton_attention.warm_up(kv_cache, 4, torch.float32, [(None, None), (8, 30.0), (None, None)]) == 6
+    assert torch.equal(kv_cache, before)  # reads the cache, writes nothing of it

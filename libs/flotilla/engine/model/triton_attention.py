@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterable
 
 import torch
 import triton
@@ -39,6 +40,7 @@ INTERPRETED_PREFILL_ROWS = INTERPRETED_BLOCK_N = 16
 # sequences of the step get shorter runs), at most MAX_SPLITS splits.
 MIN_SPLIT_KEYS = 256
 MAX_SPLITS = 16
+COMBINE_SPLITS_PAD = triton.next_power_of_2(MAX_SPLITS)
 
 
 # A launch's integer arguments are specialised by value (1, a multiple of 16, anything else), each variant a compile
@@ -126,7 +128,7 @@ def _paged_attention_kernel(
         tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # SPLITS_PAD is always COMBINE_SPLITS_PAD: one compile for any count
 def _combine_splits_kernel(
     part_out_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, num_heads, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr,
@@ -238,6 +240,29 @@ def paged_attention(
     if splits > 1:
         _combine_splits_kernel[(q.shape[0], num_heads)](
             part_out, part_ml, out, out.stride(0), out.stride(1), num_heads, splits,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=triton.next_power_of_2(splits),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=COMBINE_SPLITS_PAD,
         )  # fmt: skip
     return out
+
+
+def warm_up(kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype,
+            layer_kinds: Iterable[tuple[int | None, float | None]]) -> int:
+    """Compile, before serving, every variant of the kernels a step can launch on this layer cache: decode, split
+    decode and prefill (a mixed step launches the prefill variant), for each (window, soft-cap) the model's layers
+    use. Triton compiles a variant at its first launch, a second or more on the GPU's host, so without this the
+    first requests of a new worker (a warm pool's too) would wait for it. The launches take what a step's do: q of
+    the model's dtype, this cache, int64 tables and lengths (AttentionMetadata); they read block 0 and write only
+    their own output. -> the number of launches."""
+    _, _, _, head_dim = layer_dims(kv_cache)
+    device = kv_cache.device
+    q = torch.zeros(2, num_heads, head_dim, dtype=dtype, device=device)
+    block_table = torch.zeros(1, 1, dtype=torch.int64, device=device)
+    context_lens = torch.full((1,), 2, dtype=torch.int64, device=device)
+    launches = 0
+    for window, softcap in sorted(set(layer_kinds), key=repr):
+        for query_len, num_splits in ((1, 1), (1, 2), (2, None)):  # decode, split decode, prefill
+            query_start = torch.tensor([0, query_len], dtype=torch.int64, device=device)
+            paged_attention(q[:query_len], kv_cache, block_table, query_start, context_lens, query_len,
+                            window=window, softcap=softcap, num_splits=num_splits)
+            launches += 1
+    return launches
