@@ -15,10 +15,10 @@ triton_attention picks its interpreter tile sizes.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
-import subprocess
-import tempfile
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
@@ -161,17 +160,20 @@ def _specialise(launch: Launch, backend) -> tuple:
     return kernel._pack_args(backend, launch.kwargs, bound_args, specialization, options)
 
 
-def _ptxas_usage(ptx: str, arch: int) -> dict:
-    """Registers and spill bytes per thread, from `ptxas -v` on the compiled PTX."""
-    with tempfile.TemporaryDirectory() as tmp:
-        source = os.path.join(tmp, "kernel.ptx")
-        with open(source, "w") as handle:
-            handle.write(ptx)
-        log = subprocess.run(
-            [get_ptxas(arch).path, "-v", f"--gpu-name={sm_arch_from_capability(arch)}", source,
-             "-o", os.path.join(tmp, "kernel.cubin")],
-            capture_output=True, text=True, check=True,
-        ).stderr  # fmt: skip
+def _ptxas_usage(ptx: str, backend, options) -> dict:
+    """Registers and spill bytes per thread: the backend's own ptxas step run again on the compiled PTX, with its
+    own flags (they differ between Triton versions), its `-v` log captured (TRITON_DUMP_PTXAS_LOG)."""
+    saved = os.environ.get("TRITON_DUMP_PTXAS_LOG")
+    os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as captured:
+            backend.make_cubin(ptx, {}, options, backend.target.arch)
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_DUMP_PTXAS_LOG")
+        else:
+            os.environ["TRITON_DUMP_PTXAS_LOG"] = saved
+    log = captured.getvalue()
     registers = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     return {
@@ -208,7 +210,7 @@ def compile_launch(launch: Launch, arch: int) -> dict:
         "shared_fits": shared <= SHARED_MEMORY_LIMIT[arch],
         "num_warps": compiled.metadata.num_warps,
         "num_stages": compiled.metadata.num_stages,
-        **_ptxas_usage(compiled.asm["ptx"], arch),
+        **_ptxas_usage(compiled.asm["ptx"], backend, options),
         **_ptx_instructions(compiled.asm["ptx"]),
     }
 
