@@ -16,12 +16,14 @@ triton_attention picks its interpreter tile sizes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import re
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 import triton
@@ -103,16 +105,13 @@ class _Recorder:
 def _recording(launches: list[Launch]):
     """Kernels swapped for recorders, and the launcher told it runs on an H100 (132 multiprocessors), so that it
     splits decode steps as it would there."""
-    names = ("_paged_attention_kernel", "_combine_splits_kernel", "_num_multiprocessors")
-    originals = {name: getattr(triton_attention, name) for name in names}
-    try:
-        for name in names[:2]:
-            setattr(triton_attention, name, _Recorder(originals[name], launches))
-        triton_attention._num_multiprocessors = lambda device: H100_MULTIPROCESSORS
+    with contextlib.ExitStack() as patches:
+        for name in ("_paged_attention_kernel", "_combine_splits_kernel"):
+            patches.enter_context(mock.patch.object(triton_attention, name,
+                                                    _Recorder(getattr(triton_attention, name), launches)))
+        patches.enter_context(mock.patch.object(triton_attention, "_num_multiprocessors",
+                                                lambda device: H100_MULTIPROCESSORS))
         yield
-    finally:
-        for name, original in originals.items():
-            setattr(triton_attention, name, original)
 
 
 def step_launches(shape: AttentionShape, dtype: torch.dtype, kv_dtype: torch.dtype, phase: str,
@@ -152,6 +151,11 @@ def warm_up_launches(shape: AttentionShape, dtype: torch.dtype, kv_dtype: torch.
     return launches
 
 
+@functools.cache
+def _backend(arch: int):
+    return make_backend(GPUTarget("cuda", arch, 32))
+
+
 def _specialise(launch: Launch, backend) -> tuple:
     """What Triton compiles a launch as on that backend's GPU: (options, signature, constexprs, attrs)."""
     kernel = launch.kernel
@@ -163,16 +167,9 @@ def _specialise(launch: Launch, backend) -> tuple:
 def _ptxas_usage(ptx: str, backend, options) -> dict:
     """Registers and spill bytes per thread: the backend's own ptxas step run again on the compiled PTX, with its
     own flags (they differ between Triton versions), its `-v` log captured (TRITON_DUMP_PTXAS_LOG)."""
-    saved = os.environ.get("TRITON_DUMP_PTXAS_LOG")
-    os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
-    try:
-        with contextlib.redirect_stdout(io.StringIO()) as captured:
-            backend.make_cubin(ptx, {}, options, backend.target.arch)
-    finally:
-        if saved is None:
-            os.environ.pop("TRITON_DUMP_PTXAS_LOG")
-        else:
-            os.environ["TRITON_DUMP_PTXAS_LOG"] = saved
+    with mock.patch.dict(os.environ, {"TRITON_DUMP_PTXAS_LOG": "1"}), \
+            contextlib.redirect_stdout(io.StringIO()) as captured:
+        backend.make_cubin(ptx, {}, options, backend.target.arch)
     log = captured.getvalue()
     registers = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
@@ -199,7 +196,7 @@ def compile_launch(launch: Launch, arch: int) -> dict:
     """Compile one recorded launch for sm_<arch> as a launch on that GPU would: the same specialisation of its
     arguments, the same default options. -> shared memory, warps, registers, spills, matrix instructions and copy
     sizes."""
-    backend = make_backend(GPUTarget("cuda", arch, 32))
+    backend = _backend(arch)
     options, signature, constexprs, attrs = _specialise(launch, backend)
     compiled = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=backend.target,
                               options=options.__dict__)
@@ -217,7 +214,7 @@ def compile_launch(launch: Launch, arch: int) -> dict:
 
 def _variant_key(launch: Launch, arch: int) -> str:
     """What tells one compile of a kernel from another (Triton's cache key, less the source's hash)."""
-    options, signature, constexprs, attrs = _specialise(launch, make_backend(GPUTarget("cuda", arch, 32)))
+    options, signature, constexprs, attrs = _specialise(launch, _backend(arch))
     return repr((launch.kernel.fn.__name__, str(options), signature, sorted(constexprs.items()), sorted(attrs.items())))
 
 

@@ -41,10 +41,9 @@ def test_every_launch_builds_for_hopper_and_ampere(tmp_path):
     # kernels, prefill); sm_80 has no fp8 cache
     assert len([launch for launch in launches if launch["arch"] == 90]) == 3 * 4 * 4
     assert len([launch for launch in launches if launch["arch"] == 80]) == 3 * 2 * 4
-    for launch in launches:
-        assert launch["registers"] > 0 and launch["shared_bytes"] <= triton_aot.SHARED_MEMORY_LIMIT[launch["arch"]]
     assert [launch for launch in report["spilled"] if launch["arch"] == 90] == []
     for launch in launches:
+        assert launch["registers"] > 0 and launch["shared_bytes"] <= triton_aot.SHARED_MEMORY_LIMIT[launch["arch"]]
         # one compile whatever the step's block-table width or split count, and the start-up warm-up made it
         assert launch["variants"] == 1 and launch["compiled_while_serving"] == 0, launch
         if launch["kernel"] != "_paged_attention_kernel":
