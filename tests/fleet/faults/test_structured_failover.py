@@ -14,10 +14,12 @@ import jsonschema
 import pytest
 
 from loadtest.resume_margins import fault_test_prompts
+from flotilla.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.support.fleet import fleet_config, start_fleet
+from tests.support.tls import aio_test_channel
 
 from .sse_client import completion_body, stream_completion
-from .test_worker_failure import SEEDED_TOP_K, _killer
+from .test_worker_failure import SEEDED_TOP_K
 
 NUM_STREAMS = 24
 # Seeded as in test_worker_failure (see there why top-k). With this base the closest of the 833 seeded draws is
@@ -53,11 +55,36 @@ async def _run(fleet, on_event=None):
                                       for body in _bodies()))
 
 
+def _kill_mid_output(victim, victim_stub, num_chunks: int):
+    """on_event callback: SIGKILLs `victim` once one of its own streams has num_chunks text chunks (the worker's
+    GetLoad names the requests it holds). Killing at the first stream of either worker to get there left the
+    victim's streams still in prefill under CI's load, and nothing was resumed mid-output."""
+    checked: set[str] = set()  # each stream is looked for on the victim once, when it gets there
+    asking = asyncio.Lock()  # one GetLoad at a time, and none once the victim is dead
+    killed = False
+
+    async def on_event(result) -> None:
+        nonlocal killed
+        if killed or result.num_chunks < num_chunks or result.request_id in checked:
+            return
+        checked.add(result.request_id)
+        async with asking:
+            if killed:
+                return
+            load = await victim_stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+            if result.request_id in load.active_request_ids:
+                killed = True
+                victim.kill()
+    return on_event
+
+
 async def test_kill_9_mid_stream_keeps_every_output_inside_the_schema(two_workers):
     reference = await _run(two_workers)
     assert all(r.error is None and r.finish_reason == "stop" for r in reference)
     victim = two_workers.fleet.workers[1]
-    results = await _run(two_workers, _killer(victim, 3))
+    async with aio_test_channel(victim.address, "worker") as victim_channel:
+        killer = _kill_mid_output(victim, worker_pb2_grpc.WorkerServiceStub(victim_channel), 1)
+        results = await _run(two_workers, killer)
     assert not victim.is_running()
     assert [r.error for r in results] == [None] * NUM_STREAMS
     for result in results:
