@@ -41,6 +41,19 @@ def test_kv_cache_dtype_can_be_narrower_than_the_model():
     assert resolve_kv_cache_dtype("float8_e5m2", torch.bfloat16, CPU) == torch.float8_e5m2
 
 
+def test_fp8_kv_cache_is_refused_on_gpus_without_fp8_conversions(monkeypatch):
+    """An A100 (8.0) has no fp8 conversions: refused at start-up; an L4 (8.9) and an H100 (9.0) take it."""
+    cuda = torch.device("cuda")
+    for capability, refused in (((8, 0), True), ((8, 9), False), ((9, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        if refused:
+            with pytest.raises(ValueError, match=r"float8_e4m3fn needs a GPU of compute capability 8\.9 or later"):
+                resolve_kv_cache_dtype("float8_e4m3fn", torch.bfloat16, cuda)
+        else:
+            assert resolve_kv_cache_dtype("float8_e4m3fn", torch.bfloat16, cuda) == torch.float8_e4m3fn
+        assert resolve_kv_cache_dtype("auto", torch.bfloat16, cuda) == torch.bfloat16
+
+
 def test_triton_off_cuda_needs_the_interpreter(monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")

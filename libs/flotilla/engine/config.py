@@ -155,7 +155,8 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
         return model_dtype
     dtype = KV_CACHE_DTYPES[name]
     if dtype.itemsize == 1 and device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
-        raise ValueError(f"kv_cache_dtype {name} needs a GPU of compute capability 8.9 or later")
+        major, minor = FP8_MIN_CAPABILITY
+        raise ValueError(f"kv_cache_dtype {name} needs a GPU of compute capability {major}.{minor} or later")
     return dtype
 
 
