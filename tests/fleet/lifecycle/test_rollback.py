@@ -120,7 +120,8 @@ async def test_new_version_waits_for_a_rollout_and_rollback_under_64_streams_mov
         # version; the candidate's streams go on where they are.
         after = await asyncio.gather(*(version_of(stub, f"conv-{i}", 1) for i in on_new))
         assert set(after) == {old}
-        assert applied_s < 1.0
+        # applied_s is printed, not asserted: a rollback that waited for the candidate's streams would fail the
+        # check above, and a wall-clock bound only measures the machine (1.8 ms alone, over 1 s under CI's load).
 
         await asyncio.wait_for(asyncio.gather(*tasks), 120)
     for i, stream in enumerate(streams):
