@@ -74,7 +74,6 @@ async def stream_completion(client: httpx.AsyncClient, url: str, headers: dict, 
                             on_event=None) -> StreamResult:
     result = StreamResult()
     async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as response:
-        result.request_id = response.headers.get("request-id", "")
         if response.status_code != 200:
             result.error = {"status": response.status_code, **json.loads(await response.aread())}
             return result
