@@ -81,6 +81,7 @@ async def test_kill_9_mid_stream_keeps_every_output_inside_the_schema(two_worker
         new_victim = two_workers.fleet.start_worker()
         await asyncio.to_thread(wait_until, lambda: _healthy(two_workers) == {"worker-0", new_victim.name}, 60,
                                 "the new victim to take work, the old one to be dropped")
-        assert [r.text for r in await _run(two_workers)] == [r.text for r in reference]  # and warms it up: a
-        # fresh worker's first streams start late, and the kill would again come before they had output
+        # An undisturbed run warms it up: a fresh worker's first streams start late, and the kill would again come
+        # before they had output.
+        assert [r.text for r in await _run(two_workers)] == [r.text for r in reference]
     pytest.fail(f"no stream was resumed mid-output in {MAX_ATTEMPTS} runs")
