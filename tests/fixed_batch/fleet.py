@@ -11,7 +11,7 @@ import httpx
 
 from flotilla.fleet.process import ServiceProcess
 
-from tests.support.fleet import router_workers, start_service, write_keys
+from tests.support.fleet import healthy_worker_ids, num_healthy_workers, start_service, write_keys
 from tests.support.waiting import wait_until
 
 MODEL = "sim"
@@ -34,7 +34,7 @@ class BatchFleet:
         return {"authorization": f"Bearer {self.keys[key_id]}"}
 
     def healthy_worker_ids(self) -> set[str]:
-        return healthy_worker_ids(self.router)
+        return healthy_worker_ids(self.router.address)
 
     def stop(self) -> None:
         for process in (self.gateway, *self.workers, *self.routers):
@@ -67,7 +67,7 @@ def start_batch_fleet(state_dir: Path, num_workers: int = 2, worker_args: tuple[
         for worker in fleet.workers:
             worker.wait_port(READY_TIMEOUT_S)
         for router in routers:
-            wait_until(lambda: len(healthy_worker_ids(router)) == num_workers, READY_TIMEOUT_S,
+            wait_until(lambda: num_healthy_workers(router.address) == num_workers, READY_TIMEOUT_S,
                        f"{num_workers} fixed-batch workers registered with {router.name}", interval_s=0.05)
         wait_until(lambda: httpx.get(f"{fleet.url}/healthz", timeout=2).status_code == 200, READY_TIMEOUT_S,
                    "the gateway", interval_s=0.05, ignore=(httpx.HTTPError,))
@@ -75,7 +75,3 @@ def start_batch_fleet(state_dir: Path, num_workers: int = 2, worker_args: tuple[
         fleet.stop() if fleet.gateway is not None else [p.stop() for p in (*fleet.workers, *routers)]
         raise
     return fleet
-
-
-def healthy_worker_ids(router: ServiceProcess) -> set[str]:
-    return {w for w, status in router_workers(router.address).items() if status.healthy}

@@ -130,6 +130,9 @@ class Fleet:
     def router_workers(self) -> dict[str, router_pb2.WorkerStatus]:
         return router_workers(self.fleet.router_address)
 
+    def healthy_worker_ids(self) -> set[str]:
+        return healthy_worker_ids(self.fleet.router_address)
+
     def num_healthy_workers(self) -> int:
         return num_healthy_workers(self.fleet.router_address)
 
@@ -251,8 +254,12 @@ def router_workers(router_address: str, router_channel: grpc.Channel | None = No
     return {status.worker.worker_id: status for status in response.workers}
 
 
+def healthy_worker_ids(router_address: str) -> set[str]:
+    return {worker_id for worker_id, status in router_workers(router_address).items() if status.healthy}
+
+
 def num_healthy_workers(router_address: str) -> int:
-    return sum(status.healthy for status in router_workers(router_address).values())
+    return len(healthy_worker_ids(router_address))
 
 
 def worker_load(worker: ServiceProcess) -> common_pb2.LoadReport:

@@ -55,10 +55,6 @@ async def _run(fleet, on_event=None):
                                       for body in _bodies()))
 
 
-def _healthy(fleet) -> set[str]:
-    return {name for name, status in fleet.router_workers().items() if status.healthy}
-
-
 async def test_kill_9_mid_stream_keeps_every_output_inside_the_schema(two_workers):
     reference = await _run(two_workers)
     assert all(r.error is None and r.finish_reason == "stop" for r in reference)
@@ -78,8 +74,8 @@ async def test_kill_9_mid_stream_keeps_every_output_inside_the_schema(two_worker
         # The kill comes at the first stream with output, whichever worker holds it; on a loaded machine the
         # victim's streams were all still in prefill (CI saw it once), so nothing was resumed mid-output. Asking the
         # victim which streams it holds answers too late on a busy worker (its GetLoad took 350 ms): go again.
-        new_victim = two_workers.fleet.start_worker()
-        await asyncio.to_thread(wait_until, lambda: _healthy(two_workers) == {"worker-0", new_victim.name}, 60,
+        serving = {two_workers.fleet.workers[0].name, two_workers.fleet.start_worker().name}
+        await asyncio.to_thread(wait_until, lambda: two_workers.healthy_worker_ids() == serving, 60,
                                 "the new victim to take work, the old one to be dropped")
         # An undisturbed run warms it up: a fresh worker's first streams start late, and the kill would again come
         # before they had output.
