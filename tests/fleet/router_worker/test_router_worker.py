@@ -23,7 +23,7 @@ from flotilla.rpc.model_assets import asset_chunks
 from flotilla.fleet.process import ServiceProcess
 
 from tests.support.engines import BLOCK_SIZE, NUM_KV_BLOCKS, greedy_reference
-from tests.support.fleet import NO_OUTPUT_CHECK, start_service
+from tests.support.fleet import NO_OUTPUT_CHECK, healthy_worker_ids, start_service
 from tests.support.tls import channel
 from tests.support.waiting import wait_until
 
@@ -50,7 +50,7 @@ def fleet(tiny_checkpoint, tmp_path_factory) -> dict[str, ServiceProcess]:
                                            "--model-name", model, wait=False)
         for service in services.values():
             service.wait_port(START_TIMEOUT_S)
-        wait_until(lambda: healthy_worker_ids(router_stub(services)) == {"w-main", "w-spare"}, 20,
+        wait_until(lambda: healthy_worker_ids(services["router"].address) == {"w-main", "w-spare"}, 20,
                    "both workers to register")
         yield services
     finally:
@@ -64,10 +64,6 @@ def router_stub(fleet: dict[str, ServiceProcess]) -> router_pb2_grpc.RouterServi
 
 def worker_stub(fleet: dict[str, ServiceProcess]) -> worker_pb2_grpc.WorkerServiceStub:
     return worker_pb2_grpc.WorkerServiceStub(channel(fleet["worker"].address, "worker"))
-
-
-def healthy_worker_ids(stub) -> set[str]:
-    return {s.worker.worker_id for s in stub.ListWorkers(rpb.ListWorkersRequest(), timeout=5).workers if s.healthy}
 
 
 def run(stub, request) -> tuple[list[int], list[pb.GenerateResponse]]:
@@ -166,8 +162,8 @@ def test_errors_are_events(fleet):
 def test_killed_worker_is_marked_unhealthy(fleet):
     stub = router_stub(fleet)
     fleet["spare"].kill()
-    wait_until(lambda: "w-spare" not in healthy_worker_ids(stub), 3.0, "the router to notice the dead worker")
-    assert "w-main" in healthy_worker_ids(stub)
+    wait_until(lambda: "w-spare" not in healthy_worker_ids(fleet["router"].address), 3.0, "the router to notice the dead worker")
+    assert "w-main" in healthy_worker_ids(fleet["router"].address)
     request = generate_request("to-the-dead", "spare", [1, 2], GREEDY, deadline_unix_s=time.time() + 0.3)
     _, events = run(stub, request)
     assert [e.error.code for e in events] == [pb.ERROR_CODE_UNAVAILABLE]
